@@ -1,0 +1,157 @@
+"""Model adapters: what the method files need from a diffusers text-to-image flow model, and nothing more.
+
+An adapter loads a diffusers pipeline with `from_pretrained`, encodes prompts, draws initial noise in the model's
+latent layout, gives the velocity v(x, sigma | prompt) of the transformer being trained, and decodes latents to
+images in [0, 1]. `velocity` is the one place that calls a transformer. The method files (sampler.py, g2rpo.py)
+see only latents, sigmas and prompt indices, so they do not know which model they drive.
+
+  FLUX.1 (`FluxAdapter`): latents packed into 2x2 patches (B, L, 4C) with diffusers' own helpers; the guidance
+      value enters as an embedding (FLUX.1-dev, reference 3.5), no CFG. The built-in tiny model is a FLUX pipeline.
+  SD3 / SD3.5 (`SD3Adapter`): latents (B, C, h, w); classifier-free guidance inside the velocity, so the
+      rollout and the update see the same guided velocity. One velocity evaluation costs 2 image-forwards.
+
+Shapes: M samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
+
+Deviations from the reference code:
+  1. Sigma goes to the transformer exactly (diffusers' FLUX and SD3 scale it by 1000 inside or expect t = 1000 sigma);
+     the reference quantises it to int(1000 sigma) / 1000.
+  2. VAE decoding uses the VAE config's scaling and shift factors (the reference hard-codes FLUX's 0.3611, 0.1159).
+"""
+import os
+
+import torch
+
+
+def missing_weights_message(path: str, err: Exception) -> str:
+    where = "a local folder" if os.path.isdir(path) else "a hub id"
+    return (f"could not load a diffusers pipeline from '{path}' ({where}): {type(err).__name__}: {str(err)[:200]}. "
+            f"Pass --model-path to a folder holding model_index.json and its subfolders, or log in "
+            f"(`hf auth login`) and accept the model's license on its hub page, then retry")
+
+
+class Adapter:
+    """Common plumbing; subclasses define `pipeline_class`, `encode`, `noise`, `velocity` and `decode`."""
+
+    pipeline_class = None
+
+    def __init__(self, pipe, device, dtype):
+        self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
+        self.transformer = pipe.transformer
+        # frozen parts: eval mode, no gradients, the compute dtype
+        for module in self.frozen_modules():
+            module.requires_grad_(False).eval().to(self.device, dtype)
+        self.transformer.to(self.device)
+
+    @classmethod
+    def load(cls, path: str, device, dtype, transformer_dtype=torch.float32, **kwargs):
+        try:
+            pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype)
+        except (OSError, ValueError, EnvironmentError) as err:
+            raise SystemExit(missing_weights_message(path, err)) from None
+        pipe.set_progress_bar_config(disable=True)
+        pipe.transformer.to(transformer_dtype)  # the trained weights: fp32 master copy by default
+        return cls(pipe, device, dtype, **kwargs)
+
+    def frozen_modules(self):
+        return [m for m in (getattr(self.pipe, name, None) for name in
+                            ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")) if m is not None]
+
+    @property
+    def patch_multiple(self) -> int:
+        """Resolutions must be multiples of this (VAE factor times the transformer's 2x2 patch)."""
+        return self.pipe.vae_scale_factor * 2
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    @torch.no_grad()
+    def decode(self, latents, resolution):
+        """latents (M, ...) -> images (M, 3, H, W) in [0, 1], float32."""
+        vae = self.pipe.vae
+        x = self.unpack(latents, resolution).to(self.device, vae.dtype)  # (M, C, h, w)
+        # the VAE's latent normalisation: z = (x - shift) * scale, so x = z / scale + shift
+        x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(x, return_dict=False)[0]  # (M, 3, H, W) in [-1, 1]
+        return ((images.float() + 1) / 2).clamp(0, 1)
+
+    def unpack(self, latents, resolution):
+        return latents
+
+
+class FluxAdapter(Adapter):
+    from diffusers import FluxPipeline as pipeline_class
+
+    def __init__(self, pipe, device, dtype, guidance: float = 3.5, max_sequence_length: int = 512):
+        super().__init__(pipe, device, dtype)
+        self.guidance = guidance
+        self.max_sequence_length = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": prompt_embeds, "pooled": pooled, "text_ids": text_ids}  # (B, T, D), (B, D'), (T, 3)
+
+    def latent_channels(self):
+        return self.transformer.config.in_channels // 4
+
+    def noise(self, generators, resolution):
+        """One standard normal latent per generator: (B, L, 4C), drawn on the CPU for reproducibility."""
+        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+        shape = (self.latent_channels(), h, w)
+        latents = torch.stack([torch.randn(shape, generator=g) for g in generators])  # (B, C, h, w)
+        return self.pipe._pack_latents(latents, len(generators), shape[0], h, w).to(self.device)  # (B, L, 4C)
+
+    def unpack(self, latents, resolution):
+        return self.pipe._unpack_latents(latents, resolution, resolution, self.pipe.vae_scale_factor)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """v(x, sigma | prompt): latents (M, L, 4C), sigma (M,), prompt_index (M,) -> (M, L, 4C) float32."""
+        M = latents.shape[0]
+        h = w = resolution // self.pipe.vae_scale_factor
+        image_ids = self.pipe._prepare_latent_image_ids(M, h // 2, w // 2, self.device, latents.dtype)  # (L, 3)
+        guidance = (torch.full((M,), self.guidance, device=self.device)
+                    if self.transformer.config.guidance_embeds else None)
+        with self.autocast():
+            out = transformer(
+                hidden_states=latents, timestep=sigma.to(self.device), guidance=guidance,  # scaled by 1000 inside
+                pooled_projections=cond["pooled"][prompt_index], encoder_hidden_states=cond["prompt_embeds"][prompt_index],
+                txt_ids=cond["text_ids"], img_ids=image_ids, return_dict=False)[0]
+        return out.float()
+
+
+class SD3Adapter(Adapter):
+    from diffusers import StableDiffusion3Pipeline as pipeline_class
+
+    def __init__(self, pipe, device, dtype, guidance: float = 4.5, max_sequence_length: int = 256):
+        super().__init__(pipe, device, dtype)
+        self.guidance = guidance
+        tok3 = getattr(pipe, "tokenizer_3", None)
+        self.max_sequence_length = min(max_sequence_length, tok3.model_max_length) if tok3 else max_sequence_length
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompts, None, None, device=self.device, do_classifier_free_guidance=True,
+            max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "negative_embeds": negative, "pooled": pooled,
+                "negative_pooled": negative_pooled}
+
+    def noise(self, generators, resolution):
+        h = w = resolution // self.pipe.vae_scale_factor
+        shape = (self.transformer.config.in_channels, h, w)
+        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, h, w)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """Guided velocity v_u + w (v_c - v_u): latents (M, C, h, w) -> (M, C, h, w) float32."""
+        embeds = torch.cat([cond["negative_embeds"][prompt_index], cond["prompt_embeds"][prompt_index]])
+        pooled = torch.cat([cond["negative_pooled"][prompt_index], cond["pooled"][prompt_index]])
+        with self.autocast():
+            out = transformer(hidden_states=torch.cat([latents, latents]),
+                              timestep=torch.cat([sigma, sigma]).to(self.device) * 1000,  # SD3 takes t = 1000 sigma
+                              encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0]
+        uncond, text = out.float().chunk(2)
+        return uncond + self.guidance * (text - uncond)
+
+
+ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter}

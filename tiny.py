@@ -1,0 +1,243 @@
+"""The built-in tiny world: a small FLUX pipeline, pre-trained on coloured shapes, and a reward that needs no weights.
+
+Images are 32x32: one shape (circle, square or triangle) of one colour (red, green, blue or yellow) in one half of
+the picture (left, right, top or bottom) on a dark background, captioned "a red circle on the left". The model is
+a real diffusers `FluxPipeline`: a `FluxTransformer2DModel`, an `AutoencoderKL`, CLIP and T5 text encoders and
+their tokenizers, all small and built from configs, so `--model tiny` drives the same adapter and code as FLUX.1.
+Pre-training (the VAE as an autoencoder, then the transformer by flow matching) takes about a minute on 2 CPU
+cores; the result is saved with `save_pretrained` into a cache folder named by its seed and settings, with a
+checksum file, and loaded from there with `FluxPipeline.from_pretrained` like any other model.
+
+The reward (`shape_reward`) reads the prompt and scores the pixels, each term in [0, 1], averaged:
+  colour:   how close the foreground pixels are to the named colour,
+  position: whether the foreground's centre of mass lies in the named half,
+  shape:    how the foreground fills its bounding box (square 1.0, circle pi/4, triangle 1/2) against the named one.
+A flow model cannot saturate it by a global trick: it must get all three attributes of each prompt right at once,
+and blur, stray pixels or two blobs lower the shape and colour terms.
+"""
+import hashlib
+import itertools
+import json
+import math
+import os
+import shutil
+
+import torch
+
+COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.1), "blue": (0.15, 0.25, 0.95), "yellow": (0.95, 0.9, 0.1)}
+SHAPES = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # fill ratio of the bounding box
+POSITIONS = ["left", "right", "top", "bottom"]
+RESOLUTION = 32
+WORDS = ["a", "on", "the", *COLOURS, *SHAPES, *POSITIONS]
+
+
+def all_prompts():
+    return [f"a {c} {s} on the {p}" for c, s, p in itertools.product(COLOURS, SHAPES, POSITIONS)]
+
+
+def prompt_split():
+    """(train, held-out): 36 and 12 of the 48 attribute combinations; RL never sees the held-out ones."""
+    prompts = all_prompts()
+    held = [p for n, p in enumerate(prompts) if n % 4 == (n // 12) % 4]
+    return [p for p in prompts if p not in held], held
+
+
+def parse(prompt):
+    words = prompt.lower().split()
+    pick = lambda names: next((w for w in words if w in names), None)
+    return pick(COLOURS), pick(SHAPES), pick(POSITIONS)
+
+
+def render(prompts, generator):
+    """Procedural images for captions: (N, 3, 32, 32) in [0, 1]; random size, place within the half, background."""
+    n, R = len(prompts), RESOLUTION
+    u = torch.rand(n, 4, generator=generator)  # size, two jitters, background
+    radius = 4.5 + 2.5 * u[:, 0]  # (N,)
+    along, across = 8.5 + 2 * u[:, 1], 10 + 12 * u[:, 2]  # distance from the edge, place along the edge
+    ys, xs = torch.meshgrid(torch.arange(R) + 0.5, torch.arange(R) + 0.5, indexing="ij")  # (R, R)
+    images = torch.empty(n, 3, R, R)
+    for i, prompt in enumerate(prompts):
+        colour, shape, position = parse(prompt)
+        cx, cy = {"left": (along[i], across[i]), "right": (R - along[i], across[i]),
+                  "top": (across[i], along[i]), "bottom": (across[i], R - along[i])}[position]
+        r, dx, dy = radius[i], xs - cx, ys - cy
+        if shape == "circle":
+            mask = dx**2 + dy**2 <= r**2
+        elif shape == "square":
+            mask = (dx.abs() <= r * 0.85) & (dy.abs() <= r * 0.85)
+        else:  # an upright triangle filling half its bounding box
+            mask = (dy.abs() <= r) & (dx.abs() <= (dy + r) / 2)
+        background = 0.05 + 0.15 * u[i, 3]
+        images[i] = torch.where(mask, torch.tensor(COLOURS[colour])[:, None, None], background)
+    return images
+
+
+def shape_reward(images, prompts):
+    """Prompt adherence from pixels: mean of colour, position and shape scores, (N,) in [0, 1]."""
+    images = images.float()
+    N, _, H, W = images.shape
+    border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
+    background = border.median(dim=-1).values  # (N, 3)
+    dist = (images - background[:, :, None, None]).norm(dim=1)  # (N, H, W)
+    mask = ((dist - 0.2) / 0.2).clamp(0, 1)  # soft foreground
+    area = mask.sum((1, 2)).clamp_min(1e-6)  # (N,)
+    ys, xs = torch.meshgrid(torch.arange(H, device=images.device) + 0.5,
+                            torch.arange(W, device=images.device) + 0.5, indexing="ij")
+    cx, cy = (mask * xs).sum((1, 2)) / area, (mask * ys).sum((1, 2)) / area  # (N,)
+    hard = mask > 0.5
+    rows, cols = hard.any(2).float(), hard.any(1).float()  # (N, H), (N, W)
+    extent = lambda m: (m.shape[1] - m.flip(1).argmax(1)) - m.argmax(1)
+    box = (extent(rows) * extent(cols)).clamp_min(1).float()  # (N,)
+    fill = hard.sum((1, 2)) / box
+    scores = torch.zeros(N, device=images.device)
+    for i, prompt in enumerate(prompts):
+        colour, shape, position = parse(prompt)
+        if None in (colour, shape, position) or area[i] < 4:
+            continue
+        target = torch.tensor(COLOURS[colour], device=images.device)
+        colour_score = ((mask[i] * torch.exp(-((images[i] - target[:, None, None]) ** 2).sum(0) / 0.1)).sum()
+                        / area[i])
+        offset = {"left": W / 2 - cx[i], "right": cx[i] - W / 2, "top": H / 2 - cy[i], "bottom": cy[i] - H / 2}
+        position_score = torch.sigmoid((offset[position] - 3) / 1.5)
+        shape_score = torch.exp(-(((fill[i] - SHAPES[shape]) / 0.12) ** 2))
+        scores[i] = (colour_score + position_score + shape_score) / 3
+    return scores
+
+
+# --- building the tiny pipeline -------------------------------------------------------------------------------
+
+def build_tokenizers():
+    """A CLIP BPE tokenizer and a T5 unigram tokenizer over the tiny world's words, built offline."""
+    from transformers import CLIPTokenizer, T5Tokenizer
+
+    chars = sorted(set("".join(WORDS)))
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    merges = []
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    for word in WORDS:  # merge each word letter by letter into one token
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            if (pieces[0], pieces[1]) not in merges:
+                merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            vocab.setdefault(pieces[0], len(vocab))
+    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    pieces += [("▁" + w, -1.0) for w in WORDS] + [(c, -5.0) for c in chars]
+    t5 = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=16)
+    return clip, t5
+
+
+def build_pipeline(seed: int, hidden: int = 64, layers: int = 2):
+    """A randomly initialised tiny FluxPipeline (also used by the tests as a stand-in FLUX.1)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    clip_tok, t5_tok = build_tokenizers()
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=77, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=layers, num_single_layers=layers, attention_head_dim=16,
+        num_attention_heads=hidden // 16, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=[4, 6, 6])
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 16], layers_per_block=1, latent_channels=4,
+        norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False, shift_factor=0.0, scaling_factor=1.0)
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                        tokenizer=clip_tok, text_encoder_2=text_encoder_2, tokenizer_2=t5_tok, transformer=transformer)
+
+
+def _pretrain(seed, vae_steps, flow_steps, log=print):
+    from models import FluxAdapter
+
+    pipe = build_pipeline(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = all_prompts()
+    torch.manual_seed(seed)
+    # 1. the VAE as an autoencoder (reconstruction + a small KL), then its latent statistics set shift and scale
+    vae = pipe.vae
+    opt = torch.optim.AdamW(vae.parameters(), lr=3e-3)
+    for step in range(vae_steps):
+        batch = [prompts[i] for i in torch.randint(len(prompts), (16,), generator=gen)]
+        x = render(batch, gen) * 2 - 1
+        posterior = vae.encode(x).latent_dist
+        recon = vae.decode(posterior.sample(generator=gen)).sample
+        loss = (recon - x).pow(2).mean() + 1e-6 * posterior.kl().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    log(f"tiny: VAE pre-trained ({vae_steps} steps, reconstruction mse {float(loss):.4f})")
+    with torch.no_grad():
+        z = vae.encode(render(prompts * 4, gen) * 2 - 1).latent_dist.mean
+    vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
+    vae.requires_grad_(False).eval()
+
+    # 2. the transformer by flow matching on (image, caption) pairs: x_t = (1 - t) x0 + t eps, target eps - x0
+    adapter = FluxAdapter(pipe, "cpu", torch.float32, guidance=3.5, max_sequence_length=16)
+    cond = adapter.encode(prompts)
+    transformer = adapter.transformer.train()
+    opt = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=flow_steps, pct_start=0.1)
+    batch = 32
+    for step in range(flow_steps):
+        idx = torch.randint(len(prompts), (batch,), generator=gen)
+        with torch.no_grad():
+            z = vae.encode(render([prompts[i] for i in idx], gen) * 2 - 1).latent_dist.sample(generator=gen)
+            z = (z - vae.config.shift_factor) * vae.config.scaling_factor  # (batch, 4, 16, 16)
+            x0 = pipe._pack_latents(z, batch, 4, 16, 16)  # (batch, 64, 16)
+        t = torch.sigmoid(torch.randn(batch, generator=gen))  # logit-normal times, as SD3 trains
+        eps = torch.randn(x0.shape, generator=gen)
+        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * eps
+        v = adapter.velocity(transformer, cond, xt, t, idx, RESOLUTION)
+        loss = (v - (eps - x0)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    log(f"tiny: transformer pre-trained ({flow_steps} flow-matching steps, last loss {float(loss):.3f})")
+    transformer.eval()
+    return pipe
+
+
+def _digest(folder):
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            if name == "checksum.json":
+                continue
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_steps: int = 700, log=print) -> str:
+    """The folder of the pre-trained tiny pipeline for these settings, pre-training it first when it is missing
+    or its files fail their checksum (a corrupted cache is rebuilt, never loaded)."""
+    folder = os.path.join(os.path.abspath(cache_dir), f"tiny-seed{seed}-vae{vae_steps}-flow{flow_steps}")
+    checksum = os.path.join(folder, "checksum.json")
+    if os.path.exists(checksum):
+        with open(checksum) as f:
+            if json.load(f).get("sha256") == _digest(folder):
+                log(f"tiny: using the pre-trained model cached in {folder}")
+                return folder
+        log(f"tiny: the cache in {folder} fails its checksum; rebuilding it")
+    log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")
+    pipe = _pretrain(seed, vae_steps, flow_steps, log)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    with open(os.path.join(tmp, "checksum.json"), "w") as f:
+        json.dump({"sha256": _digest(tmp)}, f)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
