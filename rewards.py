@@ -1,0 +1,248 @@
+"""Reward models, all behind one signature: fn(images, prompts) -> scores (N,).
+
+images: float tensor (N, 3, H, W) in [0, 1] on the reward's device; prompts: N strings. Images stay in memory:
+resizing, cropping and normalising are done in torch on the batch. `load_reward(name, ...)` builds a reward by
+name from `REWARDS`; each factory imports its heavy packages inside, so an unused reward needs no install.
+
+| name        | model                                                          | score                              |
+|-------------|----------------------------------------------------------------|------------------------------------|
+| hps         | open_clip ViT-H-14 + HPS-v2.1 state dict (hub xswu/HPSv2)      | cos(image, text), ~0.25-0.40       |
+| clip        | open_clip model (default apple/DFN5B-CLIP-ViT-H-14)            | cos(image, text)                   |
+| pickscore   | transformers CLIPModel yuvalkirstain/PickScore_v1              | logit_scale.exp() * cos, ~20-23    |
+| aesthetic   | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head  | MLP(normalised image features)     |
+| imagereward | the `image-reward` package (BLIP backbone)                     | its standardised score             |
+| shapes      | none: the tiny world's pixel rule (tiny.py)                    | colour, position, shape in [0, 1]  |
+
+Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
+reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
+
+Loading never runs remote code and never unpickles arbitrary objects (safetensors or torch.load(weights_only=True)).
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_PATHS = {
+    "hps_arch": "ViT-H-14",  # open_clip architecture name, or an open_clip folder (open_clip_config.json)
+    "hps_checkpoint": "xswu/HPSv2/HPS_v2.1_compressed.pt",  # a local file, or hub repo/filename
+    "clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14",  # an open_clip folder, hf-hub:id, or architecture name
+    "pickscore_model": "yuvalkirstain/PickScore_v1",
+    "pickscore_processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    "aesthetic_clip": "openai/clip-vit-large-patch14",
+    "aesthetic_head": "sac+logos+ava1-l14-linearMSE.pth",  # from github.com/christophschuhmann/improved-aesthetic-predictor
+}
+
+
+class RewardError(Exception):
+    """A reward cannot be built: the message says what is missing and how to get it."""
+
+
+def _require(module: str, pip_name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RewardError(f"this reward needs the '{module}' package: pip install {pip_name}") from None
+
+
+def preprocess(images, size, mean, std):
+    """Resize the shorter side to `size` (bicubic, antialiased), centre-crop size x size, normalise: torch only."""
+    h, w = images.shape[-2:]
+    scale = size / min(h, w)
+    new_h, new_w = max(size, round(h * scale)), max(size, round(w * scale))
+    x = F.interpolate(images.float(), size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False)
+    top, left = (new_h - size) // 2, (new_w - size) // 2
+    x = x[..., top : top + size, left : left + size].clamp(0, 1)  # (N, 3, size, size)
+    mean = torch.tensor(mean, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(std, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def _resolve_file(path: str, what: str, source: str) -> str:
+    """A local file, or 'repo_id/filename' fetched from the hub; a clear error when neither works."""
+    if os.path.isfile(path):
+        return path
+    parts = path.split("/")
+    if len(parts) >= 3:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+        except Exception as err:  # offline, gated, missing
+            raise RewardError(f"{what} not found at '{path}' (not a file; hub download failed: "
+                              f"{type(err).__name__}). Download it from {source} and pass its path") from None
+    raise RewardError(f"{what} not found at '{path}'. Download it from {source} and pass its path")
+
+
+def _load_state_dict(path: str):
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state.get("state_dict", state) if isinstance(state, dict) else state
+
+
+def _batched(fn, batch_size):
+    """Run `fn(images, prompts)` in inference mode on micro-batches of at most `batch_size` images."""
+
+    @torch.inference_mode()
+    def reward(images, prompts):
+        if images.shape[0] != len(prompts):
+            raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+        return torch.cat([fn(images[i : i + batch_size], prompts[i : i + batch_size]).float()
+                          for i in range(0, len(prompts), batch_size)])
+
+    return reward
+
+
+def _open_clip_model(name: str, device, dtype, checkpoint: str | None = None):
+    open_clip = _require("open_clip", "open-clip-torch")
+    if os.path.isdir(name):
+        name = "local-dir:" + name
+    try:
+        model = open_clip.create_model(name, pretrained=None, load_weights=checkpoint is None, device="cpu")
+    except (FileNotFoundError, RuntimeError, OSError) as err:
+        raise RewardError(f"could not load the open_clip model '{name}': {err}") from None
+    if checkpoint is not None:
+        model.load_state_dict(_load_state_dict(checkpoint))
+    tokenizer = open_clip.get_tokenizer(name)
+    return model.to(device, dtype).eval().requires_grad_(False), tokenizer
+
+
+def _open_clip_cosine(model, tokenizer, device, dtype):
+    cfg = model.visual.preprocess_cfg
+
+    def score(images, prompts):
+        pixels = preprocess(images.to(device), cfg["size"][0], cfg["mean"], cfg["std"]).to(dtype)
+        image = F.normalize(model.encode_image(pixels).float(), dim=-1)  # (n, E)
+        text = F.normalize(model.encode_text(tokenizer(prompts).to(device)).float(), dim=-1)  # (n, E)
+        return (image * text).sum(-1)  # cos(image, text)
+
+    return score
+
+
+def hps(device, dtype, batch_size, paths):
+    """HPS-v2.1: the HPS state dict replaces every weight of an open_clip ViT-H-14; the score is the cosine."""
+    checkpoint = _resolve_file(paths["hps_checkpoint"], "the HPS-v2.1 checkpoint",
+                               "the hub repo xswu/HPSv2 (file HPS_v2.1_compressed.pt)")
+    model, tokenizer = _open_clip_model(paths["hps_arch"], device, dtype, checkpoint)
+    return _batched(_open_clip_cosine(model, tokenizer, device, dtype), batch_size)
+
+
+def clip(device, dtype, batch_size, paths):
+    """CLIP score: cosine of normalised image and text features of an open_clip model."""
+    model, tokenizer = _open_clip_model(paths["clip_model"], device, dtype)
+    return _batched(_open_clip_cosine(model, tokenizer, device, dtype), batch_size)
+
+
+def _transformers_clip(path, device, dtype, what):
+    transformers = _require("transformers", "transformers")
+    try:
+        return transformers.CLIPModel.from_pretrained(path, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    except OSError as err:
+        raise RewardError(f"could not load {what} from '{path}': {str(err)[:200]}") from None
+
+
+def pickscore(device, dtype, batch_size, paths):
+    """PickScore: logit_scale.exp() * cos(image, text) with PickScore_v1's CLIP (~20-23; papers often report /100)."""
+    transformers = _require("transformers", "transformers")
+    model = _transformers_clip(paths["pickscore_model"], device, dtype, "the PickScore model")
+    try:
+        processor = transformers.CLIPProcessor.from_pretrained(paths["pickscore_processor"])
+    except OSError as err:
+        raise RewardError(f"could not load the PickScore processor from '{paths['pickscore_processor']}': "
+                          f"{str(err)[:200]}") from None
+    ip = processor.image_processor
+
+    def score(images, prompts):
+        pixels = preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std).to(dtype)
+        text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        image = F.normalize(model.get_image_features(pixel_values=pixels).float(), dim=-1)
+        text = F.normalize(model.get_text_features(**text.to(device)).float(), dim=-1)
+        return model.logit_scale.exp().float() * (image * text).sum(-1)
+
+    return _batched(score, batch_size)
+
+
+class AestheticHead(torch.nn.Module):
+    """The LAION aesthetic predictor v2 MLP (keys layers.0 ... layers.7, as in its released .pth file)."""
+
+    def __init__(self, dim=768):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(dim, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128), torch.nn.Dropout(0.2),
+            torch.nn.Linear(128, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def aesthetic(device, dtype, batch_size, paths):
+    """LAION aesthetic v2: MLP(normalised CLIP ViT-L/14 image features), roughly 1-10."""
+    from transformers import CLIPImageProcessor
+
+    model = _transformers_clip(paths["aesthetic_clip"], device, dtype, "the aesthetic CLIP model")
+    head_path = _resolve_file(paths["aesthetic_head"], "the aesthetic MLP head",
+                              "github.com/christophschuhmann/improved-aesthetic-predictor")
+    head = AestheticHead(model.config.projection_dim)
+    head.load_state_dict(_load_state_dict(head_path))
+    head = head.to(device).eval().requires_grad_(False)
+    ip = CLIPImageProcessor()  # the OpenAI CLIP preprocessing (224, bicubic, centre crop)
+
+    def score(images, prompts):
+        pixels = preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std).to(dtype)
+        features = F.normalize(model.get_image_features(pixel_values=pixels).float(), dim=-1)
+        return head(features).squeeze(-1)
+
+    return _batched(score, batch_size)
+
+
+def imagereward(device, dtype, batch_size, paths):
+    """ImageReward through its own package; images go to it as in-memory PIL images."""
+    reward_module = _require("ImageReward", "image-reward")
+    from PIL import Image
+
+    model = reward_module.load("ImageReward-v1.0", device=device)
+
+    def score(images, prompts):
+        arrays = (images.permute(0, 2, 3, 1).clamp(0, 1) * 255).round().byte().cpu().numpy()
+        return torch.tensor([float(model.score(p, [Image.fromarray(a)])) for p, a in zip(prompts, arrays)])
+
+    return _batched(score, batch_size)
+
+
+def shapes(device, dtype, batch_size, paths):
+    """The tiny world's rule: does the image show the colour, shape and position its prompt names (tiny.py)."""
+    from tiny import shape_reward
+
+    return _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
+
+
+REWARDS = {"hps": hps, "clip": clip, "pickscore": pickscore, "aesthetic": aesthetic, "imagereward": imagereward,
+           "shapes": shapes}
+
+
+def parse_rewards(specs) -> dict:
+    """['hps=1.0', 'clip=0.5'] -> {'hps': 1.0, 'clip': 0.5}; a bare name has weight 1."""
+    out = {}
+    for spec in specs:
+        name, _, weight = spec.partition("=")
+        if name not in REWARDS:
+            raise RewardError(f"unknown reward '{name}'; known rewards: {', '.join(REWARDS)}")
+        try:
+            out[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise RewardError(f"reward weight in '{spec}' is not a number; write name=weight, e.g. hps=1.0") from None
+    if not out:
+        raise RewardError("no reward given; pass e.g. --rewards hps=1.0")
+    return out
+
+
+def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=None):
+    """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32."""
+    if name not in REWARDS:
+        raise RewardError(f"unknown reward '{name}'; known rewards: {', '.join(REWARDS)}")
+    return REWARDS[name](torch.device(device), dtype, batch_size, {**DEFAULT_PATHS, **(paths or {})})
