@@ -138,6 +138,11 @@ def clip(device, dtype, batch_size, paths):
     return _batched(_open_clip_cosine(model, tokenizer, device, dtype), batch_size)
 
 
+def _projected(output):
+    """transformers >= 5 returns a model output whose pooler_output holds the projected features."""
+    return getattr(output, "pooler_output", output).float()
+
+
 def _transformers_clip(path, device, dtype, what):
     transformers = _require("transformers", "transformers")
     try:
@@ -160,8 +165,8 @@ def pickscore(device, dtype, batch_size, paths):
     def score(images, prompts):
         pixels = preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std).to(dtype)
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
-        image = F.normalize(model.get_image_features(pixel_values=pixels).float(), dim=-1)
-        text = F.normalize(model.get_text_features(**text.to(device)).float(), dim=-1)
+        image = F.normalize(_projected(model.get_image_features(pixel_values=pixels)), dim=-1)
+        text = F.normalize(_projected(model.get_text_features(**text.to(device))), dim=-1)
         return model.logit_scale.exp().float() * (image * text).sum(-1)
 
     return _batched(score, batch_size)
@@ -194,7 +199,7 @@ def aesthetic(device, dtype, batch_size, paths):
 
     def score(images, prompts):
         pixels = preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std).to(dtype)
-        features = F.normalize(model.get_image_features(pixel_values=pixels).float(), dim=-1)
+        features = F.normalize(_projected(model.get_image_features(pixel_values=pixels)), dim=-1)
         return head(features).squeeze(-1)
 
     return _batched(score, batch_size)

@@ -315,8 +315,21 @@ class Trainer:
                 self.log(f"stopped after iteration {done}; continue with the same command plus --resume")
                 return
         bar.close()
+        if self.distributed:
+            self._check_ranks_agree()
         if self.master and before and last:
             self._summary(before, last)
+
+    def _check_ranks_agree(self):
+        """Every rank must hold the same (full) parameters after training; a cheap checksum proves it."""
+        with torch.no_grad():
+            total = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).double().sum())
+                        for p in self.params)
+        sums = [None] * self.world
+        dist.all_gather_object(sums, total)
+        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"ranks disagree on the parameters after training: checksums {sums}")
+        self.log(f"{self.world} ranks agree on the parameters (checksum {sums[0]:.6f})")
 
     def _summary(self, before, after):
         parts = []

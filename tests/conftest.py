@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny but real diffusers pipelines built from configs and saved with save_pretrained, and a
+helper that runs train.py in a subprocess. Nothing is downloaded (HF_HUB_OFFLINE=1)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def build_sd3_pipeline(seed=0):
+    """A randomly initialised tiny StableDiffusion3Pipeline: two CLIP encoders with projection, T5, MMDiT."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    import tiny
+
+    torch.manual_seed(seed)
+    clip_tok, t5_tok = tiny.build_tokenizers()
+    clip_config = dict(vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, max_position_embeddings=77, projection_dim=32, bos_token_id=0,
+                       eos_token_id=1, pad_token_id=1)
+    return StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+                                          caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=32),
+        vae=AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                          up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 16], layers_per_block=1,
+                          latent_channels=4, norm_num_groups=8, shift_factor=0.06, scaling_factor=1.5),
+        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip_config)), tokenizer=clip_tok,
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip_config)), tokenizer_2=clip_tok,
+        text_encoder_3=T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=64, d_kv=16, d_ff=64, num_layers=1,
+                                               num_heads=4, relative_attention_num_buckets=8,
+                                               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        tokenizer_3=t5_tok)
+
+
+@pytest.fixture(scope="session")
+def flux_path(tmp_path_factory):
+    """A random tiny FLUX.1-style pipeline (guidance embedding, CLIP + T5) in a folder, as users' weights are."""
+    import tiny
+
+    path = str(tmp_path_factory.mktemp("flux") / "pipeline")
+    tiny.build_pipeline(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sd3_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sd3") / "pipeline")
+    build_sd3_pipeline().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """The pre-trained tiny model, built once per session (about 2 minutes on 2 cores)."""
+    import tiny
+
+    cache = str(tmp_path_factory.mktemp("tiny_cache"))
+    tiny.ensure_pretrained(cache)
+    return cache
+
+
+# a short rollout for the end-to-end runs on the random tiny pipelines
+QUICK = ["--resolution", "32", "--num-steps", "4", "--group-size", "3", "--sde-steps", "0", "1",
+         "--granularities", "1", "2", "--prompts-per-iteration", "2", "--rewards", "shapes=1.0",
+         "--prompt-file", os.path.join(ROOT, "prompts", "tiny_train.txt"),
+         "--eval-prompt-file", os.path.join(ROOT, "prompts", "tiny_eval.txt"), "--eval-seeds", "1",
+         "--max-sequence-length", "16", "--mixed-precision", "no", "--no-gradient-checkpointing"]
+
+
+def run_train(args, timeout=600, torchrun=0, check=True, env=None):
+    """Run train.py (or torchrun with `torchrun` CPU ranks) in a subprocess; returns the CompletedProcess."""
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+           if torchrun else [sys.executable]) + [os.path.join(ROOT, "train.py"), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1" if torchrun else "2", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc

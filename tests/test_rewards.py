@@ -1,0 +1,199 @@
+"""Reward models loaded for real from tiny random checkpoints saved in each model's own format: open_clip folders
+and HPS state dicts, transformers CLIP models and processors, the aesthetic MLP head file; and their errors.
+
+Run: python -m pytest -q tests/test_rewards.py
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import rewards
+from rewards import RewardError, load_reward, parse_rewards, preprocess
+
+PROMPTS = ["a red circle on the left", "a blue square on the top", "a green triangle on the right"]
+
+
+def smooth_images(n=3, h=64, w=48, seed=0):
+    """Low-frequency random images, like decoded samples (interpolation differences stay small)."""
+    g = torch.Generator().manual_seed(seed)
+    return F.interpolate(torch.rand(n, 3, 8, 6, generator=g), size=(h, w), mode="bilinear", align_corners=False)
+
+
+def to_pil(images):
+    return [Image.fromarray((im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for im in images]
+
+
+OPEN_CLIP_CFG = {"embed_dim": 32,
+                 "vision_cfg": {"image_size": 224, "layers": 1, "width": 32, "head_width": 16, "patch_size": 32},
+                 "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+
+
+@pytest.fixture(scope="module")
+def open_clip_folder(tmp_path_factory):
+    """An open_clip model folder in the hub layout (open_clip_config.json + open_clip_model.safetensors)."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("open_clip")
+    cfg = {"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {"mean": [0.48145466, 0.4578275, 0.40821073],
+                                                          "std": [0.26862954, 0.26130258, 0.27577711]}}
+    (folder / "open_clip_config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = open_clip.create_model("local-dir:" + str(folder), load_weights=False)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "open_clip_model.safetensors"))
+    return str(folder)
+
+
+def open_clip_reference(model_name, state_dict, images, prompts):
+    """The cosine computed the library's way: open_clip's own PIL preprocessing, tokenizer and encoders."""
+    import open_clip
+
+    model, _, transform = open_clip.create_model_and_transforms(model_name, load_weights=state_dict is None)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    model.eval()
+    with torch.no_grad():
+        pixels = torch.stack([transform(im) for im in to_pil(images)])
+        img = F.normalize(model.encode_image(pixels), dim=-1)
+        txt = F.normalize(model.encode_text(open_clip.get_tokenizer(model_name)(prompts)), dim=-1)
+    return (img * txt).sum(-1), pixels
+
+
+def check_reward(fn, images, prompts):
+    a, b = fn(images, prompts), fn(images, prompts)
+    assert a.shape == (len(prompts),) and a.dtype == torch.float32
+    assert torch.equal(a, b)  # deterministic
+    return a
+
+
+def test_hps_loads_state_dict_and_scores_cosine(open_clip_folder, tmp_path):
+    import open_clip
+
+    torch.manual_seed(1)
+    hps_model = open_clip.create_model("local-dir:" + open_clip_folder, load_weights=False)
+    checkpoint = str(tmp_path / "HPS_v2.1_compressed.pt")
+    torch.save({"state_dict": hps_model.state_dict()}, checkpoint)  # the released file's layout
+    fn = load_reward("hps", paths={"hps_arch": open_clip_folder, "hps_checkpoint": checkpoint})
+    images = smooth_images()
+    scores = check_reward(fn, images, PROMPTS)
+    assert scores.abs().max() <= 1.0
+    expected, lib_pixels = open_clip_reference("local-dir:" + open_clip_folder, hps_model.state_dict(), images, PROMPTS)
+    torch.testing.assert_close(scores, expected, atol=2e-3, rtol=0)
+    # the torch preprocessing matches open_clip's PIL pipeline
+    ours = preprocess(images, 224, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+    assert (ours - lib_pixels).abs().mean() < 0.02
+
+
+def test_clip_score(open_clip_folder):
+    fn = load_reward("clip", paths={"clip_model": open_clip_folder})
+    images = smooth_images(seed=3)
+    scores = check_reward(fn, images, PROMPTS)
+    expected, _ = open_clip_reference("local-dir:" + open_clip_folder, None, images, PROMPTS)
+    torch.testing.assert_close(scores, expected, atol=2e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def hf_clip_folders(tmp_path_factory):
+    """A transformers CLIPModel and a CLIPProcessor saved with save_pretrained."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    import tiny
+
+    torch.manual_seed(0)
+    tokenizer, _ = tiny.build_tokenizers()
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=224, patch_size=32), projection_dim=24)
+    model_dir, proc_dir = tmp_path_factory.mktemp("clip_model"), tmp_path_factory.mktemp("clip_processor")
+    CLIPModel(config).save_pretrained(model_dir)
+    CLIPProcessor(image_processor=CLIPImageProcessor(), tokenizer=tokenizer).save_pretrained(proc_dir)
+    return str(model_dir), str(proc_dir)
+
+
+def test_pickscore_equals_clip_logits(hf_clip_folders):
+    from transformers import CLIPModel, CLIPProcessor
+
+    model_dir, proc_dir = hf_clip_folders
+    fn = load_reward("pickscore", paths={"pickscore_model": model_dir, "pickscore_processor": proc_dir})
+    images = smooth_images(seed=5)
+    scores = check_reward(fn, images, PROMPTS)
+    model, processor = CLIPModel.from_pretrained(model_dir).eval(), CLIPProcessor.from_pretrained(proc_dir)
+    inputs = processor(images=to_pil(images), text=PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_image  # logit_scale.exp() * cos, every image against every text
+    torch.testing.assert_close(scores, logits.diagonal(), atol=0.05, rtol=0)
+    ours = preprocess(images, 224, processor.image_processor.image_mean, processor.image_processor.image_std)
+    assert (ours - inputs["pixel_values"]).abs().mean() < 0.02
+
+
+def test_aesthetic_head(hf_clip_folders, tmp_path):
+    from transformers import CLIPImageProcessor, CLIPModel
+
+    model_dir, _ = hf_clip_folders
+    torch.manual_seed(2)
+    head = rewards.AestheticHead(24)
+    head_path = str(tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
+    torch.save(head.state_dict(), head_path)
+    fn = load_reward("aesthetic", paths={"aesthetic_clip": model_dir, "aesthetic_head": head_path})
+    images = smooth_images(seed=7)
+    scores = check_reward(fn, images, PROMPTS)
+    model = CLIPModel.from_pretrained(model_dir).eval()
+    pixels = CLIPImageProcessor()(images=to_pil(images), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=pixels).pooler_output
+        expected = head.eval()(F.normalize(features, dim=-1)).squeeze(-1)
+    torch.testing.assert_close(scores, expected, atol=2e-3, rtol=0)
+
+
+def test_shapes_reward_prefers_the_named_attributes():
+    import tiny
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = tiny.all_prompts()
+    right = tiny.render(prompts, gen)
+    fn = load_reward("shapes")
+    good = check_reward(fn, right, prompts)
+    assert ((good >= 0) & (good <= 1)).all() and good.mean() > 0.85
+    wrong = fn(right, prompts[12:] + prompts[:12])  # another shape for every image
+    assert wrong.mean() < good.mean() - 0.1
+    assert fn(torch.zeros(2, 3, 32, 32), prompts[:2]).eq(0).all()  # no foreground, no reward
+
+
+def test_reward_errors(tmp_path):
+    with pytest.raises(RewardError, match="unknown reward 'hsp'; known rewards: hps, clip"):
+        load_reward("hsp")
+    with pytest.raises(RewardError, match="unknown reward"):
+        parse_rewards(["hps=1", "nope=2"])
+    with pytest.raises(RewardError, match="not a number"):
+        parse_rewards(["hps=heavy"])
+    assert parse_rewards(["hps=1.0", "clip"]) == {"hps": 1.0, "clip": 1.0}
+    missing = str(tmp_path / "missing.pt")
+    with pytest.raises(RewardError, match=f"HPS-v2.1 checkpoint not found at '{missing}'.*xswu/HPSv2"):
+        load_reward("hps", paths={"hps_checkpoint": missing})
+    with pytest.raises(RewardError, match="hub download failed"):  # offline: the hub id cannot be fetched
+        load_reward("hps")
+    try:
+        import ImageReward  # noqa: F401
+    except ImportError:
+        with pytest.raises(RewardError, match="pip install image-reward"):
+            load_reward("imagereward")
+
+
+def test_no_unsafe_loading_in_sources():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in os.listdir(root):
+        if name.endswith(".py"):
+            text = open(os.path.join(root, name)).read()
+            assert "trust_remote_code=True" not in text, name
+            assert "weights_only=False" not in text, name
+            for line in text.splitlines():
+                if "torch.load(" in line and "def " not in line:
+                    assert "weights_only=True" in line, (name, line)
