@@ -22,6 +22,10 @@ import os
 import torch
 
 
+class ModelLoadError(Exception):
+    """The weights could not be loaded; the message names the path tried and how to get the weights."""
+
+
 def missing_weights_message(path: str, err: Exception) -> str:
     where = "a local folder" if os.path.isdir(path) else "a hub id"
     return (f"could not load a diffusers pipeline from '{path}' ({where}): {type(err).__name__}: {str(err)[:200]}. "
@@ -45,9 +49,9 @@ class Adapter:
     @classmethod
     def load(cls, path: str, device, dtype, transformer_dtype=torch.float32, **kwargs):
         try:
-            pipe = cls.pipeline_class.from_pretrained(path, torch_dtype=dtype)
+            pipe = cls.pipeline_class.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, EnvironmentError) as err:
-            raise SystemExit(missing_weights_message(path, err)) from None
+            raise ModelLoadError(missing_weights_message(path, err)) from None
         pipe.set_progress_bar_config(disable=True)
         pipe.transformer.to(transformer_dtype)  # the trained weights: fp32 master copy by default
         return cls(pipe, device, dtype, **kwargs)

@@ -146,7 +146,7 @@ def _projected(output):
 def _transformers_clip(path, device, dtype, what):
     transformers = _require("transformers", "transformers")
     try:
-        return transformers.CLIPModel.from_pretrained(path, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+        return transformers.CLIPModel.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     except OSError as err:
         raise RewardError(f"could not load {what} from '{path}': {str(err)[:200]}") from None
 

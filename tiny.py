@@ -72,8 +72,8 @@ def render(prompts, generator):
     return images
 
 
-def shape_reward(images, prompts):
-    """Prompt adherence from pixels: mean of colour, position and shape scores, (N,) in [0, 1]."""
+def shape_scores(images, prompts):
+    """Per-image (colour, position, shape) scores, (N, 3), each in [0, 1]; all 0 for an image with no foreground."""
     images = images.float()
     N, _, H, W = images.shape
     border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
@@ -87,21 +87,27 @@ def shape_reward(images, prompts):
     hard = mask > 0.5
     rows, cols = hard.any(2).float(), hard.any(1).float()  # (N, H), (N, W)
     extent = lambda m: (m.shape[1] - m.flip(1).argmax(1)) - m.argmax(1)
-    box = (extent(rows) * extent(cols)).clamp_min(1).float()  # (N,)
-    fill = hard.sum((1, 2)) / box
-    scores = torch.zeros(N, device=images.device)
+    fill = hard.sum((1, 2)) / (extent(rows) * extent(cols)).clamp_min(1).float()  # (N,)
+    scores = torch.zeros(N, 3, device=images.device)
     for i, prompt in enumerate(prompts):
         colour, shape, position = parse(prompt)
         if None in (colour, shape, position) or area[i] < 4:
             continue
         target = torch.tensor(COLOURS[colour], device=images.device)
-        colour_score = ((mask[i] * torch.exp(-((images[i] - target[:, None, None]) ** 2).sum(0) / 0.1)).sum()
-                        / area[i])
+        # colour: mean closeness of the foreground pixels to the named colour
+        closeness = torch.exp(-((images[i] - target[:, None, None]) ** 2).sum(0) / 0.1)  # (H, W)
+        scores[i, 0] = (mask[i] * closeness).sum() / area[i]
+        # position: the centre of mass at least a few pixels into the named half
         offset = {"left": W / 2 - cx[i], "right": cx[i] - W / 2, "top": H / 2 - cy[i], "bottom": cy[i] - H / 2}
-        position_score = torch.sigmoid((offset[position] - 3) / 1.5)
-        shape_score = torch.exp(-(((fill[i] - SHAPES[shape]) / 0.12) ** 2))
-        scores[i] = (colour_score + position_score + shape_score) / 3
+        scores[i, 1] = torch.sigmoid((offset[position] - 3) / 1.5)
+        # shape: the fill ratio of the bounding box against the named shape's (a smooth bump, width 0.2)
+        scores[i, 2] = torch.exp(-(((fill[i] - SHAPES[shape]) / 0.2) ** 2))
     return scores
+
+
+def shape_reward(images, prompts):
+    """Prompt adherence from pixels: the mean of the colour, position and shape scores, (N,) in [0, 1]."""
+    return shape_scores(images, prompts).mean(1)
 
 
 # --- building the tiny pipeline -------------------------------------------------------------------------------

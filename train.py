@@ -21,13 +21,10 @@ Deviations from the reference code (bcmi/Granular-GRPO; see also sampler.py, g2r
   3. Held-out evaluation (anchor ODE images on fixed seeds) during training, and sample grids.
 """
 import dataclasses
-import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -218,6 +215,8 @@ def validate(args: Args, world: int):
     if args.prompts_per_iteration and args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
              f"use a multiple of {world}")
+    read_prompts(args.prompt_file, "--prompt-file")
+    read_prompts(args.eval_prompt_file, "--eval-prompt-file")
     try:
         parse_rewards(args.rewards)
     except RewardError as err:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import checkpoint
 from advantage import granular_advantages
 from g2rpo import g2rpo_update
-from models import ADAPTERS
+from models import ADAPTERS, ModelLoadError
 from rewards import RewardError, load_reward, parse_rewards
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, sigma_schedule
 from train import batch_prompts, code_version, fail, generators, read_prompts
@@ -56,8 +56,11 @@ class Trainer:
             if distributed:
                 dist.barrier()
             model_path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
-        self.adapter = ADAPTERS[args.model].load(model_path, device, dtype, guidance=args.guidance,
-                                                  max_sequence_length=args.max_sequence_length)
+        try:
+            self.adapter = ADAPTERS[args.model].load(model_path, device, dtype, guidance=args.guidance,
+                                                      max_sequence_length=args.max_sequence_length)
+        except ModelLoadError as err:
+            fail(str(err))
         if args.resolution % self.adapter.patch_multiple:
             fail(f"--resolution {args.resolution} is not a multiple of {self.adapter.patch_multiple} for this model")
         self._warn_long_prompts()
@@ -309,7 +312,8 @@ class Trainer:
                 flag = torch.tensor([float(stop)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 stop = bool(flag.item())
-            if done % args.checkpoint_every == 0 or done == args.num_iterations or stop:
+            # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
+            if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
                 self._save(done)
             if stop:
                 self.log(f"stopped after iteration {done}; continue with the same command plus --resume")
