@@ -88,21 +88,21 @@ def shape_scores(images, prompts):
     rows, cols = hard.any(2).float(), hard.any(1).float()  # (N, H), (N, W)
     extent = lambda m: (m.shape[1] - m.flip(1).argmax(1)) - m.argmax(1)
     fill = hard.sum((1, 2)) / (extent(rows) * extent(cols)).clamp_min(1).float()  # (N,)
-    scores = torch.zeros(N, 3, device=images.device)
-    for i, prompt in enumerate(prompts):
-        colour, shape, position = parse(prompt)
-        if None in (colour, shape, position) or area[i] < 4:
-            continue
-        target = torch.tensor(COLOURS[colour], device=images.device)
-        # colour: mean closeness of the foreground pixels to the named colour
-        closeness = torch.exp(-((images[i] - target[:, None, None]) ** 2).sum(0) / 0.1)  # (H, W)
-        scores[i, 0] = (mask[i] * closeness).sum() / area[i]
-        # position: the centre of mass at least a few pixels into the named half
-        offset = {"left": W / 2 - cx[i], "right": cx[i] - W / 2, "top": H / 2 - cy[i], "bottom": cy[i] - H / 2}
-        scores[i, 1] = torch.sigmoid((offset[position] - 3) / 1.5)
-        # shape: the fill ratio of the bounding box against the named shape's (a smooth bump, width 0.2)
-        scores[i, 2] = torch.exp(-(((fill[i] - SHAPES[shape]) / 0.2) ** 2))
-    return scores
+    parsed = [parse(p) for p in prompts]
+    valid = torch.tensor([None not in a for a in parsed], device=images.device) & (area >= 4)  # (N,)
+    parsed = [a if None not in a else ("red", "circle", "left") for a in parsed]
+    target = torch.tensor([COLOURS[c] for c, _, _ in parsed], device=images.device)  # (N, 3)
+    fill_target = torch.tensor([SHAPES[s] for _, s, _ in parsed], device=images.device)  # (N,)
+    side = torch.tensor([POSITIONS.index(p) for _, _, p in parsed], device=images.device)  # (N,)
+    # colour: mean closeness of the foreground pixels to the named colour
+    closeness = torch.exp(-((images - target[:, :, None, None]) ** 2).sum(1) / 0.1)  # (N, H, W)
+    colour = (mask * closeness).sum((1, 2)) / area
+    # position: the centre of mass at least a few pixels into the named half (left, right, top, bottom)
+    offsets = torch.stack([W / 2 - cx, cx - W / 2, H / 2 - cy, cy - H / 2], 1)  # (N, 4)
+    position = torch.sigmoid((offsets.gather(1, side[:, None]).squeeze(1) - 3) / 1.5)
+    # shape: the fill ratio of the bounding box against the named shape's (a smooth bump, width 0.2)
+    shape = torch.exp(-(((fill - fill_target) / 0.2) ** 2))
+    return torch.stack([colour, position, shape], 1) * valid[:, None]  # (N, 3)
 
 
 def shape_reward(images, prompts):
