@@ -150,7 +150,7 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, group_size, sde_steps, granulariti
 
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
-    B, G, K, J = noise.shape[0], group_size, len(sde_steps), len(granularities)
+    B, G = noise.shape[0], group_size
     device, shape = noise.device, noise.shape[1:]
     counter = Counter(velocity_fn, max_batch)
 

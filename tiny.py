@@ -84,10 +84,9 @@ def shape_scores(images, prompts):
     ys, xs = torch.meshgrid(torch.arange(H, device=images.device) + 0.5,
                             torch.arange(W, device=images.device) + 0.5, indexing="ij")
     cx, cy = (mask * xs).sum((1, 2)) / area, (mask * ys).sum((1, 2)) / area  # (N,)
-    hard = mask > 0.5
-    rows, cols = hard.any(2).float(), hard.any(1).float()  # (N, H), (N, W)
-    extent = lambda m: (m.shape[1] - m.flip(1).argmax(1)) - m.argmax(1)
-    fill = hard.sum((1, 2)) / (extent(rows) * extent(cols)).clamp_min(1).float()  # (N,)
+    # soft bounding box: how many rows and columns the foreground occupies (a smooth function of the pixels)
+    height, width = mask.amax(2).sum(1), mask.amax(1).sum(1)  # (N,), (N,)
+    fill = area / (height * width).clamp_min(1.0)  # (N,)
     parsed = [parse(p) for p in prompts]
     valid = torch.tensor([None not in a for a in parsed], device=images.device) & (area >= 4)  # (N,)
     parsed = [a if None not in a else ("red", "circle", "left") for a in parsed]

@@ -21,9 +21,7 @@ Deviations from the reference code (bcmi/Granular-GRPO; see also sampler.py, g2r
   3. Held-out evaluation (anchor ODE images on fixed seeds) during training, and sample grids.
 """
 import dataclasses
-import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,7 +31,8 @@ import torch
 import torch.distributed as dist
 import tyro
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from trainer import Trainer, fail, read_prompts
+
 
 
 @dataclass
@@ -149,8 +148,8 @@ PRESETS = {
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, max_sequence_length=256,
                 resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
-                 sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=4, max_batch=512,
-                 rewards=["shapes=1.0"], num_iterations=40, lr=3e-4, weight_decay=0.0, clip_range=1e-3,
+                 sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
+                 rewards=["shapes=1.0"], num_iterations=50, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
                  eval_every=10, eval_seeds=3, checkpoint_every=20, gradient_checkpointing=False,
                  prompt_file="prompts/tiny_train.txt", eval_prompt_file="prompts/tiny_eval.txt",
                  output_dir="runs/tiny", seed=0),
@@ -170,25 +169,6 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
     return tyro.cli(Args, args=argv, default=Args(model=model, **PRESETS[model]),
                     description=__doc__.split("\n\n")[0])
-
-
-def fail(message: str):
-    """Bad input: one line, exit status 2, nothing written."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def read_prompts(path: str, what: str):
-    if not path or not os.path.isfile(path):
-        fail(f"{what} '{path}' not found; pass a text file with one prompt a line")
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file")
-    if not prompts:
-        fail(f"{what} '{path}' holds no prompts; put one prompt on each line")
-    return prompts
 
 
 def validate(args: Args, world: int):
@@ -253,31 +233,6 @@ def prepare_output(args: Args):
     return None
 
 
-def code_version():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def generators(seed: int, iteration: int, positions):
-    """One CPU generator per prompt, keyed by (seed, iteration, global position in the batch)."""
-    return [torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 10_007 + p) for p in positions]
-
-
-def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
-    """This rank's prompts of iteration `iteration` and their global positions; a new shuffle every epoch."""
-    per_epoch = max(1, len(prompts) // global_batch)
-    epoch, step = divmod(iteration, per_epoch)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    order = (order * math.ceil(global_batch / len(order)))[: max(global_batch, len(order))]
-    positions = list(range(rank * per_rank, (rank + 1) * per_rank))
-    start = step * global_batch
-    return [prompts[order[(start + p) % len(order)]] for p in positions], positions
-
-
 def main(args: Args):
     # ---- distributed: one short block keyed on RANK, so the same script runs on a laptop and on many GPUs ----
     distributed = int(os.environ.get("RANK", -1)) != -1
@@ -299,8 +254,6 @@ def main(args: Args):
     master = rank == 0
     dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
     log = print if master else (lambda *a, **k: None)
-
-    from trainer import Trainer
 
     trainer = Trainer(args, device, dtype, rank, world, distributed, log)
     trainer.run(resume_from)

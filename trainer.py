@@ -5,8 +5,11 @@ Shapes: B prompts on this rank, G group size, K trained SDE steps, J granulariti
 """
 import dataclasses
 import json
+import math
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import torch
@@ -18,10 +21,54 @@ from g2rpo import g2rpo_update
 from models import ADAPTERS, ModelLoadError
 from rewards import RewardError, load_reward, parse_rewards
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, sigma_schedule
-from train import batch_prompts, code_version, fail, generators, read_prompts
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 LORA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 LORA_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]
+
+
+def fail(message: str):
+    """Bad input: one line, exit status 2, nothing written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read_prompts(path: str, what: str):
+    if not path or not os.path.isfile(path):
+        fail(f"{what} '{path}' not found; pass a text file with one prompt a line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file")
+    if not prompts:
+        fail(f"{what} '{path}' holds no prompts; put one prompt on each line")
+    return prompts
+
+
+def code_version():
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def generators(seed: int, iteration: int, positions):
+    """One CPU generator per prompt, keyed by (seed, iteration, global position in the batch)."""
+    return [torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 10_007 + p) for p in positions]
+
+
+def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
+    """This rank's prompts of iteration `iteration` and their global positions; a new shuffle every epoch."""
+    per_epoch = max(1, len(prompts) // global_batch)
+    epoch, step = divmod(iteration, per_epoch)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = (order * math.ceil(global_batch / len(order)))[: max(global_batch, len(order))]
+    positions = list(range(rank * per_rank, (rank + 1) * per_rank))
+    start = step * global_batch
+    return [prompts[order[(start + p) % len(order)]] for p in positions], positions
 
 
 def all_mean(values: dict, distributed: bool) -> dict:
