@@ -16,7 +16,6 @@ Run:  python bench.py            (parts 1-3, CPU, about 12 minutes)
 """
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ import tyro
 
 from sampler import Counter, granular_schedule, rollout_full_sde, rollout_g2rpo, sde_step, sigma_schedule
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -208,9 +206,8 @@ def part3(args):
         iters = max(2, args.budget_nfe // per_iter)
         for seed in range(args.seeds):
             out = os.path.join(args.output_dir, f"{name.replace(' ', '_').replace('{', '').replace('}', '')}_s{seed}")
-            cmd = [sys.executable, os.path.join(HERE, "train.py"), *base, *flags, "--seed", str(seed),
-                   "--num-iterations", str(iters), "--eval-every", str(max(1, iters // 4)), "--output-dir", out]
-            subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=HERE)
+            _train([*base, *flags, "--seed", str(seed), "--num-iterations", str(iters),
+                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out])
             rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
             nfe, wall, points = 0, 0.0, []
             for r in rows:
@@ -241,6 +238,22 @@ def part3(args):
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
         json.dump({"curves": curves, "table": table}, f)
     return table
+
+
+def _train(argv):
+    """One train.py run in this process, its output kept quiet unless it fails."""
+    import contextlib
+    import io
+
+    import train
+
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            train.main(train.parse_args(argv))
+    except SystemExit:
+        print(log.getvalue()[-3000:], file=sys.stderr)
+        raise
 
 
 def _nfe_per_iteration(flags):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,7 @@ class Trainer:
         self.reward_weights = parse_rewards(args.rewards)
         self.stop_requested = False
 
+        torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
         # ---- model ----
         model_path = args.model_path
         if args.model == "tiny":
@@ -302,8 +304,6 @@ class Trainer:
                 for stale in ("metrics.jsonl", "checkpoints", "samples"):
                     path = os.path.join(out, stale)
                     if os.path.isdir(path):
-                        import shutil
-
                         shutil.rmtree(path)
                     elif os.path.exists(path):
                         os.remove(path)
@@ -315,8 +315,16 @@ class Trainer:
             with open(os.path.join(out, "config.json"), "w") as f:
                 json.dump({**dataclasses.asdict(args), "code_version": code_version()}, f, indent=1)
         self._open_tracker()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request_stop)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._loop(start, resume_from)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self, start, resume_from):
+        args, out = self.args, self.args.output_dir
+        metrics_path = os.path.join(out, "metrics.jsonl")
 
         if start == 0:
             before, images = self.evaluate()

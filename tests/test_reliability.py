@@ -91,7 +91,7 @@ def test_output_folder_rules(base, capsys, tmp_path):
 
 
 def test_bad_input_in_a_subprocess_has_no_traceback(base):
-    proc = run_train([*base, "--group-size", "1"], check=False)
+    proc = run_train([*base, "--group-size", "1"], check=False, subprocess_=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --group-size 1")
     assert "Traceback" not in proc.stderr
@@ -123,23 +123,33 @@ def start_train(args):
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"})
 
 
+def read_iteration(out):
+    import checkpoint
+
+    return checkpoint.read_trainer_state(checkpoint.latest_checkpoint(out))["iteration"]
+
+
 def weights(out, iteration):
     return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", "transformer",
                                   "diffusion_pytorch_model.safetensors"))
 
 
 def test_sigkill_then_resume_equals_uninterrupted(flux_path, tmp_path):
-    common = ["--model", "flux", "--model-path", flux_path, "--lr", "1e-2", "--num-iterations", "5",
+    common = ["--model", "flux", "--model-path", flux_path, "--lr", "1e-2", "--num-iterations", "20",
               "--checkpoint-every", "1", "--eval-every", "100", *QUICK]
     clean, killed = str(tmp_path / "clean"), str(tmp_path / "killed")
     run_train([*common, "--output-dir", clean])
     proc = start_train([*common, "--output-dir", killed])
-    wait_for_iteration(os.path.join(killed, "metrics.jsonl"), 1, proc)
-    time.sleep(random.uniform(0.0, 1.5))  # an arbitrary point, possibly mid-checkpoint
+    wait_for_iteration(os.path.join(killed, "metrics.jsonl"), 2, proc)
+    time.sleep(random.uniform(0.0, 0.5))  # an arbitrary point, possibly mid-checkpoint
+    assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    run_train([*common, "--output-dir", killed, "--resume"])
-    a, b = weights(clean, 5), weights(killed, 5)
+    interrupted_at = read_iteration(killed)
+    assert interrupted_at < 20
+    proc = run_train([*common, "--output-dir", killed, "--resume"])
+    assert "resumed from" in proc.stdout
+    a, b = weights(clean, 20), weights(killed, 20)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = lambda out: [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["train/reward/shapes"] for r in rows(clean)[1:]] == [r["train/reward/shapes"] for r in rows(killed)[1:]]

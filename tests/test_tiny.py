@@ -52,5 +52,6 @@ def test_short_runs_improve_held_out_reward(sampling, tiny_cache, tmp_path):
         rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
         evals = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
         gains.append(evals[-1] - evals[0])
-    assert min(gains) > 0.0, gains  # every seed improves
-    assert sum(gains) / 3 > 0.02, gains
+    # measured on 2 cores (seeds 0, 1, 2): g2rpo +0.033 +0.014 +0.030, full +0.016 +0.029 +0.024
+    assert min(gains) > 0.005, gains  # every seed improves
+    assert sum(gains) / 3 > 0.015, gains

@@ -86,11 +86,16 @@ def test_resume_equals_uninterrupted(flux_path, tmp_path):
 def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "2", "--lora-rank", str(lora),
-              "--lr", "1e-2", "--eval-every", "100", *QUICK]
+              "--lr", "1e-3", "--eval-every", "100", *QUICK]
     run_train([*common, "--output-dir", one])
     proc = run_train([*common, "--output-dir", two], torchrun=2)
     assert "ranks agree on the parameters" in proc.stdout
     a, b = transformer_weights(one, 2), transformer_weights(two, 2)
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    for k in a:  # equal up to the order of the gradient all-reduce (Adam magnifies it on tiny gradients)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=2e-5)
+    if lora:  # and the runs did learn: LoRA's B matrices start at zero
+        assert any(v.abs().max() > 1e-4 for k, v in a.items() if "lora_B" in k)
+    else:
+        initial = load_file(os.path.join(flux_path, "transformer", "diffusion_pytorch_model.safetensors"))
+        assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-3
