@@ -11,7 +11,7 @@
   4. GPU only: a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA: seconds per phase,
      peak memory and achieved TFLOP/s of the rollout forwards. `--gpu-config small` runs it on CPU for a check.
 
-Run:  python bench.py            (parts 1-3, CPU, about 12 minutes)
+Run:  python bench.py            (parts 1-3, CPU, about 10 minutes)
       python bench.py --quick    (every part, shortened, under 2 minutes)
 """
 import json
@@ -36,7 +36,7 @@ class Args:
     """Which parts to run."""
     seeds: int = 3
     """Training seeds per method in part 3."""
-    budget_nfe: int = 60_000
+    budget_nfe: int = 30_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all)."""
     output_dir: str = "runs/bench"
     """Where part 3's runs, its table (JSON) and plot go."""

@@ -38,13 +38,32 @@ class Adapter:
 
     pipeline_class = None
 
-    def __init__(self, pipe, device, dtype):
+    def __init__(self, pipe, device, dtype, offload_text_encoders=False, place_transformer=True):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
         self.transformer = pipe.transformer
-        # frozen parts: eval mode, no gradients, the compute dtype
+        self.offload = offload_text_encoders
+        # frozen parts: eval mode, no gradients, the compute dtype; text encoders wait on the CPU if offloading
         for module in self.frozen_modules():
-            module.requires_grad_(False).eval().to(self.device, dtype)
-        self.transformer.to(self.device)
+            home = "cpu" if self.offload and module is not pipe.vae else self.device
+            module.requires_grad_(False).eval().to(home)
+            if module.dtype != dtype:
+                module.to(dtype)
+        if place_transformer:  # FSDP2 shards the transformer on the CPU first, then moves only the shards
+            self.transformer.to(self.device)
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        """Prompt conditioning on the device: a dict of tensors indexed by prompt (see `encode_prompts`)."""
+        if not self.offload:
+            return self.encode_prompts(prompts)
+        encoders = [m for m in self.frozen_modules() if m is not self.pipe.vae]
+        for module in encoders:  # T5-XXL alone is ~9.5 GB in bf16: on the accelerator only while encoding
+            module.to(self.device)
+        try:
+            return self.encode_prompts(prompts)
+        finally:
+            for module in encoders:
+                module.to("cpu")
 
     @classmethod
     def load(cls, path: str, device, dtype, transformer_dtype=torch.float32, **kwargs):
@@ -53,7 +72,8 @@ class Adapter:
         except (OSError, ValueError, EnvironmentError) as err:
             raise ModelLoadError(missing_weights_message(path, err)) from None
         pipe.set_progress_bar_config(disable=True)
-        pipe.transformer.to(transformer_dtype)  # the trained weights: fp32 master copy by default
+        if pipe.transformer.dtype != transformer_dtype:
+            pipe.transformer.to(transformer_dtype)  # the trained weights: fp32 master copy by default
         return cls(pipe, device, dtype, **kwargs)
 
     def frozen_modules(self):
@@ -85,13 +105,13 @@ class Adapter:
 class FluxAdapter(Adapter):
     from diffusers import FluxPipeline as pipeline_class
 
-    def __init__(self, pipe, device, dtype, guidance: float = 3.5, max_sequence_length: int = 512):
-        super().__init__(pipe, device, dtype)
+    def __init__(self, pipe, device, dtype, guidance: float = 3.5, max_sequence_length: int = 512,
+                 offload_text_encoders: bool = False, place_transformer: bool = True):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer)
         self.guidance = guidance
         self.max_sequence_length = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
 
-    @torch.no_grad()
-    def encode(self, prompts):
+    def encode_prompts(self, prompts):
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": prompt_embeds, "pooled": pooled, "text_ids": text_ids}  # (B, T, D), (B, D'), (T, 3)
@@ -127,14 +147,14 @@ class FluxAdapter(Adapter):
 class SD3Adapter(Adapter):
     from diffusers import StableDiffusion3Pipeline as pipeline_class
 
-    def __init__(self, pipe, device, dtype, guidance: float = 4.5, max_sequence_length: int = 256):
-        super().__init__(pipe, device, dtype)
+    def __init__(self, pipe, device, dtype, guidance: float = 4.5, max_sequence_length: int = 256,
+                 offload_text_encoders: bool = False, place_transformer: bool = True):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer)
         self.guidance = guidance
         tok3 = getattr(pipe, "tokenizer_3", None)
         self.max_sequence_length = min(max_sequence_length, tok3.model_max_length) if tok3 else max_sequence_length
 
-    @torch.no_grad()
-    def encode(self, prompts):
+    def encode_prompts(self, prompts):
         embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
             prompts, None, None, device=self.device, do_classifier_free_guidance=True,
             max_sequence_length=self.max_sequence_length)

@@ -170,16 +170,20 @@ def _pretrain(seed, vae_steps, flow_steps, log=print):
     # 1. the VAE as an autoencoder (reconstruction + a small KL), then its latent statistics set shift and scale
     vae = pipe.vae
     opt = torch.optim.AdamW(vae.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=vae_steps, pct_start=0.1)
     for step in range(vae_steps):
         batch = [prompts[i] for i in torch.randint(len(prompts), (16,), generator=gen)]
         x = render(batch, gen) * 2 - 1
         posterior = vae.encode(x).latent_dist
-        recon = vae.decode(posterior.sample(generator=gen)).sample
+        # decode the posterior mean (a near-deterministic autoencoder: the small KL only keeps latents bounded);
+        # the annealed learning rate matters: it is what makes the decoder reproduce all four colours
+        recon = vae.decode(posterior.mean).sample
         loss = (recon - x).pow(2).mean() + 1e-6 * posterior.kl().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    log(f"tiny: VAE pre-trained ({vae_steps} steps, reconstruction mse {float(loss):.4f})")
+        sched.step()
+    log(f"tiny: VAE pre-trained ({vae_steps} steps, reconstruction mse {loss.item():.4f})")
     with torch.no_grad():
         z = vae.encode(render(prompts * 4, gen) * 2 - 1).latent_dist.mean
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
@@ -207,7 +211,7 @@ def _pretrain(seed, vae_steps, flow_steps, log=print):
         loss.backward()
         opt.step()
         sched.step()
-    log(f"tiny: transformer pre-trained ({flow_steps} flow-matching steps, last loss {float(loss):.3f})")
+    log(f"tiny: transformer pre-trained ({flow_steps} flow-matching steps, last loss {loss.item():.3f})")
     transformer.eval()
     return pipe
 

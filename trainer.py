@@ -107,7 +107,9 @@ class Trainer:
             model_path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
         try:
             self.adapter = ADAPTERS[args.model].load(model_path, device, dtype, guidance=args.guidance,
-                                                      max_sequence_length=args.max_sequence_length)
+                                                      max_sequence_length=args.max_sequence_length,
+                                                      offload_text_encoders=args.offload_text_encoders,
+                                                      place_transformer=not (distributed and args.lora_rank == 0))
         except ModelLoadError as err:
             fail(str(err))
         if args.resolution % self.adapter.patch_multiple:
@@ -139,6 +141,7 @@ class Trainer:
             for block in blocks:
                 fully_shard(block, mp_policy=policy)
             fully_shard(transformer, mp_policy=policy)
+            transformer.to(device)  # moves only this rank's shards
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
 

@@ -198,3 +198,33 @@ def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys)
     assert [r.get("faults/nonfinite_rewards") for r in rows[1:]] == [0.0, 1.0, 1.0, 1.0]
     assert os.listdir(out / "checkpoints") == ["iter_000001"]
     assert "losses/loss" not in rows[2]  # the update was skipped
+
+
+def test_a_failing_rank_stops_every_rank(flux_path, tmp_path):
+    """SIGKILL one of two torchrun ranks mid-run: the whole job exits with an error, no rank hangs."""
+    out = str(tmp_path / "run")
+    args = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "500", "--eval-every", "1000",
+            "--checkpoint-every", "1000", "--output-dir", out, *QUICK]
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            os.path.join(ROOT, "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    wait_for_iteration(os.path.join(out, "metrics.jsonl"), 2, job)
+    rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(pid, "1", out)]
+    assert len(rank1) == 1
+    start = time.time()
+    os.kill(int(rank1[0]), signal.SIGKILL)
+    _, stderr = job.communicate(timeout=180)
+    assert job.returncode != 0 and time.time() - start < 180
+    assert "train.py FAILED" in stderr or "ChildFailedError" in stderr
+
+
+def _is_rank(pid, rank, marker):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return env.get(b"RANK") == rank.encode() and marker.encode() in cmdline and b"train.py" in cmdline
