@@ -28,6 +28,7 @@ COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.1), "blue": (0.15, 0.25
 SHAPES = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # fill ratio of the bounding box
 POSITIONS = ["left", "right", "top", "bottom"]
 RESOLUTION = 32
+VERSION = 2  # of the pre-training recipe: part of the cache folder's name, so a changed recipe never loads old files
 WORDS = ["a", "on", "the", *COLOURS, *SHAPES, *POSITIONS]
 
 
@@ -175,9 +176,9 @@ def _pretrain(seed, vae_steps, flow_steps, log=print):
         batch = [prompts[i] for i in torch.randint(len(prompts), (16,), generator=gen)]
         x = render(batch, gen) * 2 - 1
         posterior = vae.encode(x).latent_dist
-        # decode the posterior mean (a near-deterministic autoencoder: the small KL only keeps latents bounded);
+        # decoding a posterior sample keeps the decoder robust to small latent errors (clean generated images);
         # the annealed learning rate matters: it is what makes the decoder reproduce all four colours
-        recon = vae.decode(posterior.mean).sample
+        recon = vae.decode(posterior.sample(generator=gen)).sample
         loss = (recon - x).pow(2).mean() + 1e-6 * posterior.kl().mean()
         opt.zero_grad()
         loss.backward()
@@ -232,7 +233,7 @@ def _digest(folder):
 def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_steps: int = 700, log=print) -> str:
     """The folder of the pre-trained tiny pipeline for these settings, pre-training it first when it is missing
     or its files fail their checksum (a corrupted cache is rebuilt, never loaded)."""
-    folder = os.path.join(os.path.abspath(cache_dir), f"tiny-seed{seed}-vae{vae_steps}-flow{flow_steps}")
+    folder = os.path.join(os.path.abspath(cache_dir), f"tiny-v{VERSION}-seed{seed}-vae{vae_steps}-flow{flow_steps}")
     checksum = os.path.join(folder, "checksum.json")
     if os.path.exists(checksum):
         with open(checksum) as f:

@@ -152,7 +152,7 @@ PRESETS = {
                 resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
-                 rewards=["shapes=1.0"], num_iterations=50, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
+                 rewards=["shapes=1.0"], num_iterations=40, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
                  eval_every=10, eval_seeds=3, checkpoint_every=20, gradient_checkpointing=False,
                  prompt_file="prompts/tiny_train.txt", eval_prompt_file="prompts/tiny_eval.txt",
                  output_dir="runs/tiny", seed=0),
