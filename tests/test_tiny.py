@@ -52,6 +52,8 @@ def test_short_runs_improve_held_out_reward(sampling, tiny_cache, tmp_path):
         rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
         evals = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
         gains.append(evals[-1] - evals[0])
-    # measured on 2 cores (seeds 0, 1, 2): g2rpo +0.033 +0.014 +0.030, full +0.016 +0.029 +0.024
-    assert min(gains) > 0.005, gains  # every seed improves
-    assert sum(gains) / 3 > 0.015, gains
+    # measured on 2 cores, seeds 0, 1, 2 (the held-out reward starts at 0.606, eval-seed std 0.011):
+    # g2rpo +0.028 +0.037 +0.031, full SDE +0.015 +0.019 +0.017
+    floor, mean = {"g2rpo": (0.015, 0.02), "full": (0.005, 0.01)}[sampling]
+    assert min(gains) > floor, gains  # every seed improves, by a margin
+    assert sum(gains) / 3 > mean, gains
