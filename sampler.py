@@ -196,7 +196,7 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, group_size, sde_steps, granulariti
             children = {}
             for g in gs:  # group the granularities by where their schedule goes next
                 children.setdefault(float(schedules[k, g][step + 1]), []).append(g)
-            for sigma_next, child in children.items():
+            for child in children.values():
                 sched = schedules[k, child[0]]
                 nodes.append((k, child, x + (sched[step + 1] - sched[step]).to(device) * v))  # Euler step
         step += 1
