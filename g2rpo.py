@@ -14,7 +14,8 @@ Deviations from the reference code:
   1. `step_per_sde_step=False` takes one optimizer step on the loss averaged over k (the paper's objective);
      the default `True` takes one step per k, as the reference scripts do (8 optimizer steps per iteration).
   2. The shared-latent forward is computed once per prompt, not once per member.
-  3. A non-finite loss or gradient skips the optimizer step (the parameters stay untouched) and is counted.
+  3. A non-finite gradient norm (which a non-finite loss gives) skips the optimizer step (the parameters stay
+     untouched) and is counted.
 """
 import torch
 
@@ -66,10 +67,9 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, et
                                     next_latents=targets[sl].flatten(0, 1))
             log_probs = log_probs.view(n, per_sample)  # (n, G/S)
             loss = clipped_loss(log_probs, old[sl], adv[sl], clip_range, adv_clip_max) * (n * per_sample / terms)
-            if torch.isfinite(loss):
-                loss.backward()
-            else:  # poison the step: finish_step sees a non-finite gradient norm and skips it
-                params[0].grad = torch.full_like(params[0], float("nan"))
+            # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
+            # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
+            loss.backward()
             with torch.no_grad():
                 log_ratio = log_probs - old[sl]
                 ratio = log_ratio.exp()

@@ -72,6 +72,14 @@ def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
     return [prompts[order[(start + p) % len(order)]] for p in positions], positions
 
 
+def _iteration_of(line: str) -> float:
+    """The iteration of a metrics.jsonl line; a line cut short by a crash counts as after any checkpoint."""
+    try:
+        return json.loads(line)["iteration"]
+    except (ValueError, KeyError):
+        return float("inf")
+
+
 def all_mean(values: dict, distributed: bool) -> dict:
     """Mean of logged scalars over ranks (nothing else is ever communicated outside the update)."""
     if not distributed:
@@ -312,7 +320,7 @@ class Trainer:
                         os.remove(path)
             elif os.path.exists(metrics_path):  # drop lines from after the checkpoint (a crash's partial work)
                 with open(metrics_path) as f:
-                    lines = [l for l in f if json.loads(l)["iteration"] <= start]
+                    lines = [l for l in f if _iteration_of(l) <= start]
                 with open(metrics_path, "w") as f:
                     f.writelines(lines)
             with open(os.path.join(out, "config.json"), "w") as f:
@@ -320,12 +328,12 @@ class Trainer:
         self._open_tracker()
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._loop(start, resume_from)
+            self._loop(start)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _loop(self, start, resume_from):
+    def _loop(self, start):
         args, out = self.args, self.args.output_dir
         metrics_path = os.path.join(out, "metrics.jsonl")
 

@@ -41,6 +41,7 @@ def base(flux_path, tmp_path):
 BAD_INPUTS = [
     (["--sde-steps", "0", "9"], "outside the schedule"),
     (["--sde-steps", "1", "1"], "repeats a step"),
+    (["--sde-steps"], "--sde-steps is empty"),
     (["--granularities", "0", "1"], "strides >= 1"),
     (["--group-size", "1"], "at least 2 samples"),
     (["--resolution", "30"], "not a multiple of 16"),
