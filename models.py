@@ -34,7 +34,7 @@ def missing_weights_message(path: str, err: Exception) -> str:
 
 
 class Adapter:
-    """Common plumbing; subclasses define `pipeline_class`, `encode`, `noise`, `velocity` and `decode`."""
+    """Common plumbing; subclasses define `pipeline_class`, `encode_prompts`, `noise` and `velocity`."""
 
     pipeline_class = None
 

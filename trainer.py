@@ -117,6 +117,9 @@ class Trainer:
             self.adapter = ADAPTERS[args.model].load(model_path, device, dtype, guidance=args.guidance,
                                                       max_sequence_length=args.max_sequence_length,
                                                       offload_text_encoders=args.offload_text_encoders,
+                                                      # LoRA: the frozen base in the compute dtype (bf16 on GPU);
+                                                      # full fine-tune: fp32 master weights
+                                                      transformer_dtype=dtype if args.lora_rank > 0 else torch.float32,
                                                       place_transformer=not (distributed and args.lora_rank == 0))
         except ModelLoadError as err:
             fail(str(err))
@@ -131,6 +134,9 @@ class Trainer:
             targets = LORA_ATTENTION + (LORA_FEED_FORWARD if args.lora_feed_forward else [])
             transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or args.lora_rank,
                                                init_lora_weights="gaussian", target_modules=targets))
+            for p in transformer.parameters():  # the LoRA weights are trained in fp32 (autocast computes in bf16)
+                if p.requires_grad:
+                    p.data = p.data.float()
         else:
             transformer.requires_grad_(True)
         if args.gradient_checkpointing:
