@@ -5,7 +5,6 @@ Shapes: B prompts on this rank, G group size, K trained SDE steps, J granulariti
 """
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -66,7 +65,6 @@ def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
     per_epoch = max(1, len(prompts) // global_batch)
     epoch, step = divmod(iteration, per_epoch)
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    order = (order * math.ceil(global_batch / len(order)))[: max(global_batch, len(order))]
     positions = list(range(rank * per_rank, (rank + 1) * per_rank))
     start = step * global_batch
     return [prompts[order[(start + p) % len(order)]] for p in positions], positions
@@ -108,11 +106,12 @@ class Trainer:
         if args.model == "tiny":
             import tiny
 
-            if self.master:
+            if self.master:  # pre-trains once; the other ranks wait, then find it cached
                 model_path = tiny.ensure_pretrained(args.tiny_cache, log=log)
             if distributed:
                 dist.barrier()
-            model_path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
+            if not self.master:
+                model_path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
         try:
             self.adapter = ADAPTERS[args.model].load(model_path, device, dtype, guidance=args.guidance,
                                                       max_sequence_length=args.max_sequence_length,
