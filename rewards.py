@@ -3,6 +3,8 @@
 images: float tensor (N, 3, H, W) in [0, 1] on the reward's device; prompts: N strings. Images stay in memory:
 resizing, cropping and normalising are done in torch on the batch. `load_reward(name, ...)` builds a reward by
 name from `REWARDS`; each factory imports its heavy packages inside, so an unused reward needs no install.
+Each registry entry declares the paths its factory reads (field name, default, help); `path_fields()` lists them
+for the command lines, which make one flag per field. Adding a reward = a factory + its entry in `REWARDS`.
 
 | name        | model                                                          | score                              |
 |-------------|----------------------------------------------------------------|------------------------------------|
@@ -18,21 +20,13 @@ reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (
 
 Loading never runs remote code and never unpickles arbitrary objects (safetensors or torch.load(weights_only=True)).
 """
+import math
 import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-DEFAULT_PATHS = {
-    "hps_arch": "ViT-H-14",  # open_clip architecture name, or an open_clip folder (open_clip_config.json)
-    "hps_checkpoint": "xswu/HPSv2/HPS_v2.1_compressed.pt",  # a local file, or hub repo/filename
-    "clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14",  # an open_clip folder, hf-hub:id, or architecture name
-    "pickscore_model": "yuvalkirstain/PickScore_v1",
-    "pickscore_processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-    "aesthetic_clip": "openai/clip-vit-large-patch14",
-    "aesthetic_head": "sac+logos+ava1-l14-linearMSE.pth",  # from github.com/christophschuhmann/improved-aesthetic-predictor
-}
-
 
 class RewardError(Exception):
     """A reward cannot be built: the message says what is missing and how to get it."""
@@ -226,28 +220,106 @@ def shapes(device, dtype, batch_size, paths):
     return _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
 
 
-REWARDS = {"hps": hps, "clip": clip, "pickscore": pickscore, "aesthetic": aesthetic, "imagereward": imagereward,
-           "shapes": shapes}
 
 
-def parse_rewards(specs) -> dict:
-    """['hps=1.0', 'clip=0.5'] -> {'hps': 1.0, 'clip': 0.5}; a bare name has weight 1."""
+@dataclass(frozen=True)
+class Reward:
+    """A registry entry: the factory `factory(device, dtype, batch_size, paths) -> fn(images, prompts) -> (N,)`
+    and the paths it reads, `{field: (default, one-line help)}`. The CLIs turn each field into a flag
+    (`hps_checkpoint` -> `--hps-checkpoint`), so a path is declared here and nowhere else."""
+
+    factory: Callable
+    paths: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+# Adding a reward: write its factory above, then add its entry here.
+REWARDS: dict[str, Reward] = {
+    "hps": Reward(hps, {
+        "hps_checkpoint": ("xswu/HPSv2/HPS_v2.1_compressed.pt",
+                           "HPS-v2.1 state dict: a local file or hub repo/filename."),
+        "hps_arch": ("ViT-H-14", "open_clip architecture of HPS (or an open_clip folder)."),
+    }),
+    "clip": Reward(clip, {
+        "clip_model": ("hf-hub:apple/DFN5B-CLIP-ViT-H-14",
+                       "open_clip model of the CLIP score: an open_clip folder, hf-hub:id or architecture name."),
+    }),
+    "pickscore": Reward(pickscore, {
+        "pickscore_model": ("yuvalkirstain/PickScore_v1", "PickScore CLIPModel folder or hub id."),
+        "pickscore_processor": ("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                                "PickScore CLIPProcessor folder or hub id."),
+    }),
+    "aesthetic": Reward(aesthetic, {
+        "aesthetic_clip": ("openai/clip-vit-large-patch14",
+                           "CLIP ViT-L/14 of the aesthetic reward: a folder or hub id."),
+        "aesthetic_head": ("sac+logos+ava1-l14-linearMSE.pth",
+                           "The LAION aesthetic v2 MLP head file (improved-aesthetic-predictor)."),
+    }),
+    "imagereward": Reward(imagereward),
+    "shapes": Reward(shapes),
+}
+
+
+def path_fields() -> list[tuple[str, str, str]]:
+    """(field, default, help) of every reward's paths, in registry order, each field once.
+
+    Two rewards may declare the same field only with the same default and help (they then mean the same file)."""
+    seen = {}
+    for name, entry in REWARDS.items():
+        for key, spec in entry.paths.items():
+            if key in seen and seen[key] != spec:
+                raise ValueError(f"reward '{name}' redeclares path field '{key}' with another default or help")
+            seen[key] = spec
+    return [(key, default, help_) for key, (default, help_) in seen.items()]
+
+
+def default_paths() -> dict[str, str]:
+    """{field: default} for every path of every reward."""
+    return {key: default for key, default, _ in path_fields()}
+
+
+def _unknown(name) -> RewardError:
+    return RewardError(f"unknown reward '{name}'; known rewards: {', '.join(REWARDS)}")
+
+
+def _weight(spec: str, text: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        raise RewardError(f"reward weight in '{spec}' is not a number; write name=weight, e.g. hps=1.0") from None
+    if not math.isfinite(weight):
+        raise RewardError(f"reward weight in '{spec}' is not finite; give a finite number, e.g. hps=1.0")
+    if weight == 0:
+        raise RewardError(f"reward weight in '{spec}' is 0, so the reward would do nothing; drop it or give a "
+                          f"non-zero weight (a negative weight minimises the reward)")
+    return weight
+
+
+def parse_rewards(specs) -> dict[str, float]:
+    """['hps=1.0', 'clip=0.5'] -> {'hps': 1.0, 'clip': 0.5}; a bare name has weight 1.
+
+    A weight may be negative (the reward is then minimised) but not 0 or non-finite; each reward appears once."""
     out = {}
     for spec in specs:
-        name, _, weight = spec.partition("=")
+        name, sep, text = spec.partition("=")
         if name not in REWARDS:
-            raise RewardError(f"unknown reward '{name}'; known rewards: {', '.join(REWARDS)}")
-        try:
-            out[name] = float(weight) if weight else 1.0
-        except ValueError:
-            raise RewardError(f"reward weight in '{spec}' is not a number; write name=weight, e.g. hps=1.0") from None
+            raise _unknown(name)
+        if name in out:
+            raise RewardError(f"reward '{name}' is given twice; give each reward once, e.g. {name}=1.0")
+        if sep and not text:
+            raise RewardError(f"reward '{spec}' has no weight after '='; write name=weight, e.g. {name}=1.0")
+        out[name] = _weight(spec, text) if sep else 1.0
     if not out:
         raise RewardError("no reward given; pass e.g. --rewards hps=1.0")
     return out
 
 
 def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=None):
-    """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32."""
+    """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32.
+
+    `paths` maps path fields to values; a field it lacks takes the registry's default. Extra fields are ignored,
+    so a CLI may pass every path field it has."""
     if name not in REWARDS:
-        raise RewardError(f"unknown reward '{name}'; known rewards: {', '.join(REWARDS)}")
-    return REWARDS[name](torch.device(device), dtype, batch_size, {**DEFAULT_PATHS, **(paths or {})})
+        raise _unknown(name)
+    entry = REWARDS[name]
+    resolved = {key: default for key, (default, _) in entry.paths.items()} | (paths or {})
+    return entry.factory(torch.device(device), dtype, batch_size, resolved)

@@ -176,6 +176,11 @@ def test_reward_errors(tmp_path):
     with pytest.raises(RewardError, match="not a number"):
         parse_rewards(["hps=heavy"])
     assert parse_rewards(["hps=1.0", "clip"]) == {"hps": 1.0, "clip": 1.0}
+    assert parse_rewards(["shapes=-0.5"]) == {"shapes": -0.5}  # a negative weight minimises the reward
+    for specs, message in [(["hps=nan"], "not finite"), (["hps=inf"], "not finite"), (["hps=0"], "is 0"),
+                           (["shapes=1", "shapes=2"], "given twice"), ([], "no reward given"), (["hps="], "no weight")]:
+        with pytest.raises(RewardError, match=message):
+            parse_rewards(specs)
     missing = str(tmp_path / "missing.pt")
     with pytest.raises(RewardError, match=f"HPS-v2.1 checkpoint not found at '{missing}'.*xswu/HPSv2"):
         load_reward("hps", paths={"hps_checkpoint": missing})
@@ -196,3 +201,23 @@ def test_no_unsafe_loading_in_sources():
             for line in text.splitlines():
                 if "torch.load(" in line and "def " not in line:
                     assert "weights_only=True" in line, (name, line)
+
+
+def test_registry_declares_each_path_once(monkeypatch):
+    """Every factory's paths come from its registry entry; path_fields lists each field once, in registry order."""
+    fields = rewards.path_fields()
+    names = [name for name, _, _ in fields]
+    assert len(names) == len(set(names))
+    assert names[:3] == ["hps_checkpoint", "hps_arch", "clip_model"]
+    assert all(default and help_ for _, default, help_ in fields)
+    assert set(names) == {key for entry in rewards.REWARDS.values() for key in entry.paths}
+    seen = {}
+
+    def spy(device, dtype, batch_size, paths):
+        seen.update(paths)
+        return lambda images, prompts: torch.zeros(len(prompts))
+
+    clip_paths = rewards.REWARDS["clip"].paths
+    monkeypatch.setitem(rewards.REWARDS, "clip", rewards.Reward(spy, clip_paths))
+    load_reward("clip", paths={"hps_arch": "not-read-by-clip"})  # a missing field takes its default
+    assert seen["clip_model"] == clip_paths["clip_model"][0]
