@@ -2,85 +2,101 @@
 
 For every trained SDE step k in M, the policy's velocity at the step's start latent gives each member's
 log-probability of its stored SDE sample x_{k+1}^i (the same `sde_step` formula the rollout used), and
+(paper Eq. 8-9)
     r_i,k  = exp(log pi_theta(x_{k+1}^i | x_k) - log pi_old(x_{k+1}^i | x_k))
-    L_k    = mean_i max(-A_i,k * r_i,k,  -A_i,k * clip(r_i,k, 1 - eps_clip, 1 + eps_clip))      (paper Eq. 8-9)
-with A clamped to +-adv_clip_max. In G2RPO every member of a prompt starts step k from the same anchor latent,
-so one forward per prompt (batch B, not B*G) scores all G members; the full-SDE baseline has one start latent
-per member. There is no KL term (as in the reference).
+    L_k    = mean_i max(-A_i,k * r_i,k,  -A_i,k * clip(r_i,k, 1 - eps_clip, 1 + eps_clip))
+    L      = mean_k L_k   (+ beta * mean_k KL_k, optional, off in the reference)
+In G2RPO every member of a prompt starts step k from the same anchor latent, so one forward per prompt (batch B,
+not B*G) scores all G members; the full-SDE baseline has one start latent per member (S = G).
 
 Shapes: B prompts, G group size, K SDE steps, S start latents per prompt (1 for G2RPO, G for full SDE).
 
-Deviations from the reference code:
-  1. `step_per_sde_step=False` takes one optimizer step on the loss averaged over k (the paper's objective);
-     the default `True` takes one step per k, as the reference scripts do (8 optimizer steps per iteration).
-  2. The shared-latent forward is computed once per prompt, not once per member.
-  3. A non-finite gradient norm (which a non-finite loss gives) skips the optimizer step (the parameters stay
-     untouched) and is counted.
+Deviations from the reference code (numbers of the README's list): 5 (one optimizer step per k by default, or one
+on the averaged objective), 8 (a non-finite gradient skips the optimizer step).
 """
+import math
+
 import torch
 
-from sampler import sde_step
+from sampler import sde_kl, sde_step
 
 
-def clipped_loss(log_probs, old_log_probs, advantages, clip_range, adv_clip_max):
-    """mean( max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range)) ), r = exp(log_probs - old_log_probs)."""
-    a = advantages.clamp(-adv_clip_max, adv_clip_max)
+def clipped_loss(log_probs, old_log_probs, advantages, clip_range):
+    """PPO's clipped surrogate, mean over members: max(-A r, -A clip(r, 1 - eps, 1 + eps))."""
     ratio = torch.exp(log_probs - old_log_probs)
-    return torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_range, 1 + clip_range)).mean()
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
+    return torch.maximum(pg_loss1, pg_loss2).mean()
 
 
-def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, eta, clip_range, adv_clip_max,
-                 max_grad_norm, step_per_sde_step=True, max_batch=64):
-    """Policy update on one rollout. advantages: (B, K, G). Returns a dict of statistics (floats)."""
-    B, K, G = advantages.shape
-    S = rollout.latents.shape[2]
-    per_sample = G // S  # members scored by one forward
-    terms = B * G * (1 if step_per_sde_step else K)  # the loss is a mean over this many (member, step) terms
-    stats = {"loss": 0.0, "approx_kl": 0.0, "clipfrac": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0,
-             "grad_norm": 0.0, "skipped_steps": 0, "optimizer_steps": 0}
-
-    def finish_step():
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-            stats["optimizer_steps"] += 1
-            stats["grad_norm"] += float(grad_norm) / (K if step_per_sde_step else 1)
-        else:
-            stats["skipped_steps"] += 1
-        optimizer.zero_grad(set_to_none=True)
-
-    optimizer.zero_grad(set_to_none=True)
-    for ki, k in enumerate(rollout.sde_steps):
-        start = rollout.latents[:, ki].flatten(0, 1)  # (B*S, ...)
-        targets = rollout.next_latents[:, ki].reshape(B * S, per_sample, *start.shape[1:])  # (B*S, G/S, ...)
-        old = rollout.old_log_probs[:, ki].reshape(B * S, per_sample)  # (B*S, G/S)
-        adv = advantages[:, ki].reshape(B * S, per_sample)  # (B*S, G/S)
-        prompt_index = torch.arange(B, device=start.device).repeat_interleave(S)  # (B*S,)
-        for c in range(0, B * S, max_batch):
-            sl = slice(c, c + max_batch)
-            n = start[sl].shape[0]
-            sigma = sigmas[k].expand(n).to(start.device)
-            velocity = velocity_fn(start[sl], sigma, prompt_index[sl])  # (n, ...)
-            # every member of a sample is scored under the same velocity: repeat it per member
-            _, log_probs = sde_step(start[sl].repeat_interleave(per_sample, 0),
-                                    velocity.repeat_interleave(per_sample, 0), sigmas, k, eta,
-                                    next_latents=targets[sl].flatten(0, 1))
-            log_probs = log_probs.view(n, per_sample)  # (n, G/S)
-            loss = clipped_loss(log_probs, old[sl], adv[sl], clip_range, adv_clip_max) * (n * per_sample / terms)
-            # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
-            # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
-            loss.backward()
+def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, clip_range, loss_scale, max_batch,
+                       kl_beta=0.0, reference_velocity_fn=None):
+    """Loss of trained step `ki` over every member, back-propagated (times `loss_scale`) in micro-batches of start
+    latents. advantages: (B, G). Returns this step's statistics as floats."""
+    k = rollout.sde_steps[ki]
+    B, S, G = rollout.latents.shape[0], rollout.latents.shape[2], advantages.shape[1]
+    members = G // S  # members scored by one forward
+    start = rollout.latents[:, ki].flatten(0, 1)  # (B*S, ...)
+    targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
+    old = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
+    adv = advantages.reshape(B * S, members)  # (B*S, G/S)
+    prompt_index = torch.arange(B, device=start.device).repeat_interleave(S)  # (B*S,)
+    loss, kl, log_ratios = 0.0, 0.0, []
+    for chunk in torch.arange(B * S, device=start.device).split(max_batch):
+        n, sigma = len(chunk), sigmas[k].expand(len(chunk)).to(start.device)
+        velocity = velocity_fn(start[chunk], sigma, prompt_index[chunk])  # (n, ...)
+        # every member of a start latent is scored under the same velocity
+        _, log_probs = sde_step(start[chunk].repeat_interleave(members, 0), velocity.repeat_interleave(members, 0),
+                                sigmas, k, eta, next_latents=targets[chunk].flatten(0, 1))
+        log_probs = log_probs.view(n, members)  # (n, G/S)
+        chunk_loss = clipped_loss(log_probs, old[chunk], adv[chunk], clip_range) * (n / (B * S))
+        if kl_beta > 0:  # KL to the base model's step (same std): |mean_theta - mean_ref|^2 / (2 std^2)
             with torch.no_grad():
-                log_ratio = log_probs - old[sl]
-                ratio = log_ratio.exp()
-                w = n * per_sample / (B * G * K)
-                stats["loss"] += float(loss) * (1 if step_per_sde_step else K) / K
-                stats["approx_kl"] += float(0.5 * (log_ratio**2).mean()) * w
-                stats["clipfrac"] += float(((ratio - 1).abs() > clip_range).float().mean()) * w
-                stats["ratio_mean"] += float(ratio.mean()) * w
-                stats["ratio_max"] = max(stats["ratio_max"], float(ratio.max()))
-        if step_per_sde_step:
-            finish_step()
-    if not step_per_sde_step:
-        finish_step()
+                reference = reference_velocity_fn(start[chunk], sigma, prompt_index[chunk])  # (n, ...)
+            chunk_kl = sde_kl(velocity, reference, sigmas, k, eta).mean() * (n / (B * S))
+            chunk_loss = chunk_loss + kl_beta * chunk_kl
+            kl += float(chunk_kl.detach())
+        # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
+        # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
+        (chunk_loss * loss_scale).backward()
+        loss += float(chunk_loss.detach())
+        log_ratios.append((log_probs - old[chunk]).detach())
+    log_ratio = torch.cat(log_ratios)  # (B*S, G/S): one value per member
+    ratio = log_ratio.exp()
+    return {"loss": loss, "kl": kl, "approx_kl": float(0.5 * (log_ratio**2).mean()),
+            "clipfrac": float(((ratio - 1).abs() > clip_range).float().mean()),
+            "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max())}
+
+
+def optimizer_step(params, optimizer, max_grad_norm):
+    """Clip the gradient norm and step, unless the norm is not finite (then the parameters stay untouched).
+    Returns the gradient norm before clipping."""
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
+                 step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None):
+    """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
+    loss, kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max), grad_norm (over the steps taken), and the
+    counts optimizer_steps and skipped_steps."""
+    K = advantages.shape[1]
+    per_step, grad_norms = [], []
+    optimizer.zero_grad(set_to_none=True)
+    for ki in range(K):
+        # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
+        per_step.append(step_loss_backward(
+            velocity_fn, rollout, advantages[:, ki], sigmas, ki, eta=eta, clip_range=clip_range,
+            loss_scale=1.0 if step_per_sde_step else 1.0 / K, max_batch=max_batch, kl_beta=kl_beta,
+            reference_velocity_fn=reference_velocity_fn))
+        if step_per_sde_step or ki == K - 1:
+            grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
+    stats = {name: sum(s[name] for s in per_step) / K for name in per_step[0]}
+    stats["ratio_max"] = max(s["ratio_max"] for s in per_step)
+    taken = [g for g in grad_norms if math.isfinite(g)]
+    stats["grad_norm"] = sum(taken) / len(taken) if taken else float("nan")
+    stats["optimizer_steps"], stats["skipped_steps"] = len(taken), len(grad_norms) - len(taken)
     return stats

@@ -4,13 +4,15 @@ Time convention (used everywhere in this project): sigma runs from 1 (pure noise
     x_sigma = (1 - sigma) * x0 + sigma * eps,     the model predicts the velocity v ~ eps - x0,
 so an Euler (ODE) step from sigma to sigma_next is x + (sigma_next - sigma) * v, and x0_hat = x - sigma * v.
 
-G2RPO rollout for one prompt (paper Sec. 3, ALGORITHM.md Sec. 4):
+G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   1. one initial noise x_T shared by the G group members;
   2. a deterministic ODE anchor trajectory anchor[0..N] from x_T;
   3. singular stochastic sampling: at each k in the SDE step set M, member i takes ONE SDE step from anchor[k],
-     giving x_{k+1}^i and its log-probability; every member shares anchor[k], so the anchor's velocity is reused;
+     giving x_{k+1}^i and its log-probability;
   4. multi-granularity completion: from x_{k+1}^i, an ODE on `granular_schedule(sigmas, k, g)` for each g in Lambda.
-The baseline (`rollout_full_sde`) samples G full SDE trajectories per prompt instead (DanceGRPO / Flow-GRPO).
+`rollout_g2rpo_reference` is that procedure written loop for loop at batch 1, for reading; `rollout_g2rpo` computes
+the same latents with shared and batched forwards (tests/test_method.py checks they agree).
+The baseline `rollout_full_sde` samples G full SDE trajectories per prompt instead (DanceGRPO / Flow-GRPO).
 
 A model enters only as a velocity function `velocity_fn(latents, sigma, prompt_index) -> velocity`, with latents
 (M, ...) in the model's own layout, a per-sample sigma (M,) and a per-sample index (M,) into the prompt batch, so
@@ -18,13 +20,7 @@ branches at different steps and of different prompts share one transformer call.
 
 Shapes: B prompts, G group size, K SDE steps in M, J granularities in Lambda, N sampling steps, (...) the latent.
 
-Deviations from the reference code (bcmi/Granular-GRPO):
-  1. The SDE step at k reuses the anchor's velocity at anchor[k] (the reference recomputes it once per member).
-  2. The granularities of a branch share every ODE step while their schedules coincide (the first fine step and
-     the forward at sigmas[k+2]); the reference recomputes them per granularity.
-  3. All live branches of all prompts advance together, micro-batched by `max_batch`; the reference runs every
-     forward at batch 1. NFE at the reference settings: 1,504 for Lambda {1, 2} (reference 1,792).
-  4. Sigma is passed to the model exactly; the reference quantises it to int(sigma * 1000) / 1000.
+Deviations from the reference code (numbers of the README's list): 1 (shared forwards), 2 (batching).
 """
 import math
 from dataclasses import dataclass
@@ -38,10 +34,16 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
     return (shift * s / (1 + (shift - 1) * s)).float()  # (N + 1,)
 
 
+def sde_std_dev(sigmas, i, eta) -> float:
+    """std_dev = eta * sqrt(sigma / (1 - sigma)) at sigmas[i]; at sigma = 1 the reference divides by 1 - sigmas[1]."""
+    sigma = float(sigmas[i])
+    return eta * math.sqrt(sigma / (1 - (sigma if sigma < 1 else float(sigmas[1]))))
+
+
 def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
     """One step from sigmas[i] to sigmas[i + 1]; returns (next_latents, log_prob (batch,) or None when eta == 0).
 
-    Flow-GRPO's SDE (ALGORITHM.md Sec. 3), with dt = sigma_next - sigma < 0:
+    Flow-GRPO's SDE (paper Eq. 4-5), with dt = sigma_next - sigma < 0:
         std_dev = eta * sqrt(sigma / (1 - sigma))
         mean    = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
         x_next  = mean + std_dev * sqrt(-dt) * noise
@@ -54,8 +56,7 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
     dt = sigma_next - sigma
     if eta == 0:
         return x + dt * v, None  # plain Euler ODE step; no log-prob for a deterministic step
-    # at sigma = 1 the reference divides by 1 - sigmas[1] instead of 0
-    std_dev = eta * math.sqrt(sigma / (1 - (sigma if sigma < 1 else float(sigmas[1]))))
+    std_dev = sde_std_dev(sigmas, i, eta)
     mean = x * (1 + std_dev**2 / (2 * sigma) * dt) + v * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
     std = std_dev * math.sqrt(-dt)
     if next_latents is None:
@@ -67,6 +68,19 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
     # log-ratio, and so the meaning of the clip range (1e-4 in the reference)
     log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
     return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
+
+
+def sde_kl(velocity, reference_velocity, sigmas, i, eta):
+    """KL(policy step || reference step) at step i, per sample, averaged over elements like the log-prob: (batch,).
+
+    Both steps are Gaussians with the same std, so KL = |mean - mean_ref|^2 / (2 std^2), and the means differ only
+    through the velocity: mean - mean_ref = (v - v_ref) * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt.
+    """
+    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
+    std_dev = sde_std_dev(sigmas, i, eta)
+    mean_gap = (velocity.float() - reference_velocity.float()) * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+    kl = mean_gap**2 / (2 * std_dev**2 * -dt)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
 def granular_schedule(sigmas: torch.Tensor, k: int, g: int) -> torch.Tensor:
@@ -100,13 +114,13 @@ class Counter:
 
 @dataclass
 class Rollout:
-    """What the update and the rewards need from one rollout. Fields not used by a mode are None.
+    """What the update and the rewards need from one rollout.
 
     latents:        (B, K, S, ...) where each trained step starts: S = 1 (the shared anchor, G2RPO) or S = G (full SDE)
     next_latents:   (B, K, G, ...) each member's SDE sample from there
     old_log_probs:  (B, K, G) its log-probability at sampling time
-    final_latents:  (B, J, K, G, ...) G2RPO: each completion's final latent; full SDE: (B, 1, 1, G, ...)
-    anchor_final:   (B, ...) the anchor's final latent (G2RPO only; scored for logging)
+    final_latents:  (B, J, K, G, ...) each completion's final latent; full SDE: (B, 1, 1, G, ...), one per trajectory
+    anchor_final:   (B, ...) the anchor's final latent (G2RPO only, scored for logging), else None
     """
 
     latents: torch.Tensor
@@ -119,10 +133,6 @@ class Rollout:
     calls: int
 
 
-def _expand(idx: torch.Tensor, repeats: int) -> torch.Tensor:
-    return idx.repeat_interleave(repeats)
-
-
 def prompt_noise(generators, shape, device):
     """Standard normal noise (B, *shape), prompt b drawn from its own CPU generator `generators[b]`, so a prompt's
     noise does not depend on which other prompts share its batch (or rank)."""
@@ -130,110 +140,157 @@ def prompt_noise(generators, shape, device):
 
 
 @torch.no_grad()
-def ode_sample(velocity_fn, noise, sigmas, max_batch=64):
-    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): returns x0 and every latent (N+1, B, ...)."""
+def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
+    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): returns x0, every latent (N+1, B, ...)
+    and the Counter of forwards."""
     counter = Counter(velocity_fn, max_batch)
     prompt_index = torch.arange(noise.shape[0], device=noise.device)
     latents, trajectory = noise.float(), [noise.float()]
     for i in range(len(sigmas) - 1):
-        sigma = sigmas[i].expand(noise.shape[0]).to(noise.device)
-        velocity = counter(latents, sigma, prompt_index)
+        velocity = counter(latents, sigmas[i].expand(noise.shape[0]).to(noise.device), prompt_index)
         latents, _ = sde_step(latents, velocity, sigmas, i, eta=0.0)
         trajectory.append(latents)
     return latents, torch.stack(trajectory), counter
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# The G2RPO rollout as the paper states it: one prompt at a time, one member at a time, batch-1 forwards.
+# ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo(velocity_fn, noise, sigmas, group_size, sde_steps, granularities, eta, generators, max_batch=64):
+def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta):
+    """The paper's procedure loop for loop (and the reference code's cost: the SDE-step forward is recomputed for
+    every member, every completion runs on its own). Same arguments, same noise and same `Rollout` as
+    `rollout_g2rpo`; slow, for reading and for checking the fast rollout."""
+    B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
+    forward = Counter(velocity_fn, max_batch=1)
+    K, J = len(sde_steps), len(granularities)
+    next_latents, old_log_probs = torch.zeros(B, K, G, *shape), torch.zeros(B, K, G)
+    final_latents, anchors = torch.zeros(B, J, K, G, *shape), []
+    for b in range(B):
+        prompt = torch.tensor([b], device=device)
+        # 1-2. the anchor: an ODE trajectory from the prompt's shared initial noise x_T
+        anchor = [noise[b : b + 1].float()]
+        for i in range(len(sigmas) - 1):
+            anchor.append(sde_step(anchor[i], forward(anchor[i], sigmas[i : i + 1].to(device), prompt), sigmas, i, 0.0)[0])
+        anchors.append(anchor)
+        for ki, k in enumerate(sde_steps):
+            member_noise = torch.randn((G, *shape), generator=generators[b]).to(device)  # (G, ...)
+            for i in range(G):
+                # 3. singular stochastic sampling: ONE SDE step from anchor[k]
+                v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)
+                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[i : i + 1])
+                next_latents[b, ki, i], old_log_probs[b, ki, i] = x_next[0], log_prob[0]
+                # 4. multi-granularity completion: an ODE from x_{k+1} on each granularity's schedule
+                for j, g in enumerate(granularities):
+                    schedule = granular_schedule(sigmas, k, g)[k + 1 :].to(device)
+                    x = x_next
+                    for s in range(len(schedule) - 1):
+                        x = x + (schedule[s + 1] - schedule[s]) * forward(x, schedule[s : s + 1], prompt)
+                    final_latents[b, j, ki, i] = x[0]
+    return Rollout(
+        latents=torch.stack([torch.cat([a[k] for k in sde_steps]) for a in anchors]).unsqueeze(2),  # (B, K, 1, ...)
+        next_latents=next_latents.to(device), old_log_probs=old_log_probs.to(device),
+        final_latents=final_latents.to(device), anchor_final=torch.cat([a[-1] for a in anchors]),  # (B, ...)
+        sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The same rollout, fast: shared forwards and every live branch of every prompt in one batched call per round.
+# ------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
     generators: B CPU torch.Generator, one per prompt, for its members' SDE noise.
 
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
-    B, G = noise.shape[0], group_size
-    device, shape = noise.device, noise.shape[1:]
-    counter = Counter(velocity_fn, max_batch)
+    B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
+    forward = Counter(velocity_fn, max_batch)
 
     # 2. anchor: the ODE trajectory from x_T, keeping the latent and the velocity at every step that branches
     anchor, velocities = [noise.float()], {}
     for i in range(len(sigmas) - 1):
-        v = counter(anchor[i], sigmas[i].expand(B).to(device), torch.arange(B, device=device))  # (B, ...)
+        v = forward(anchor[i], sigmas[i].expand(B).to(device), torch.arange(B, device=device))  # (B, ...)
         if i in sde_steps:
             velocities[i] = v
         anchor.append(sde_step(anchor[i], v, sigmas, i, eta=0.0)[0])
 
-    # 3. singular stochastic sampling: one SDE step per member from anchor[k], reusing the anchor's velocity there
+    # 3. singular stochastic sampling: one SDE step per member from anchor[k]; every member starts from the same
+    # latent, so the anchor's velocity there serves them all (deviation 1)
     next_latents, old_log_probs = [], []
     for k in sde_steps:
-        x = anchor[k].repeat_interleave(G, dim=0)  # (B*G, ...)
-        v = velocities[k].repeat_interleave(G, dim=0)  # (B*G, ...)
-        noise_k = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
-        x_next, log_prob = sde_step(x, v, sigmas, k, eta, noise=noise_k)
+        member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
+        x_next, log_prob = sde_step(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
+                                    sigmas, k, eta, noise=member_noise)  # (B*G, ...), (B*G,)
         next_latents.append(x_next.view(B, G, *shape))
         old_log_probs.append(log_prob.view(B, G))
 
-    # 4. multi-granularity completion. A node is a latent that several granularities of one branch step k still
-    # share (their schedules agree so far); each round, every live node of every k takes one ODE step, in one
-    # batched call with per-sample sigma, then splits where its granularities' schedules part.
-    schedules = {(k, g): granular_schedule(sigmas, k, g)[k + 1 :] for k in sde_steps for g in granularities}
-    nodes = [(k, list(granularities), next_latents[n].reshape(B * G, *shape)) for n, k in enumerate(sde_steps)]
-    final = {}
-    step = 0
-    while nodes:
-        live = [node for node in nodes if len(schedules[node[0], node[1][0]]) > step + 1]
-        for k, gs, x in nodes:
-            if len(schedules[k, gs[0]]) == step + 1:  # schedule exhausted: x is this branch's image latent
-                for g in gs:
-                    final[k, g] = x
-        if not live:
-            break
-        x_all = torch.cat([x for _, _, x in live])  # (M, ...)
-        sigma_all = torch.cat([schedules[k, gs[0]][step].expand(x.shape[0]) for k, gs, x in live]).to(device)
-        prompt_all = torch.cat([_expand(torch.arange(B, device=device), G) for _ in live])
-        v_all = counter(x_all, sigma_all, prompt_all).split([x.shape[0] for _, _, x in live])
-        nodes = []
-        for (k, gs, x), v in zip(live, v_all):
-            children = {}
-            for g in gs:  # group the granularities by where their schedule goes next
-                children.setdefault(float(schedules[k, g][step + 1]), []).append(g)
-            for child in children.values():
-                sched = schedules[k, child[0]]
-                nodes.append((k, child, x + (sched[step + 1] - sched[step]).to(device) * v))  # Euler step
-        step += 1
-
-    final_latents = torch.stack([torch.stack([final[k, g].view(B, G, *shape) for k in sde_steps], 1)
-                                 for g in granularities], 1)  # (B, J, K, G, ...)
+    # 4. multi-granularity completion of every branch, granularities sharing forwards (deviation 1)
+    final = complete_granularities(forward, torch.stack(next_latents, 1), sigmas, sde_steps, granularities)
     return Rollout(
         latents=torch.stack([anchor[k] for k in sde_steps], 1).unsqueeze(2),  # (B, K, 1, ...)
         next_latents=torch.stack(next_latents, 1),  # (B, K, G, ...)
         old_log_probs=torch.stack(old_log_probs, 1),  # (B, K, G)
-        final_latents=final_latents,
+        final_latents=final,  # (B, J, K, G, ...)
         anchor_final=anchor[-1],  # (B, ...)
-        sde_steps=list(sde_steps), nfe=counter.nfe, calls=counter.calls,
-    )
+        sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+
+
+def complete_granularities(forward, next_latents, sigmas, sde_steps, granularities):
+    """ODE completions of every branch x_{k+1} (B, K, G, ...) at every granularity: (B, J, K, G, ...).
+
+    A node is a latent that some granularities of one step k still share (their schedules agree so far). Each
+    round, every live node of every k takes one Euler step, all in one batched call with per-sample sigma
+    (deviation 2), then splits where its granularities' schedules part. A node whose schedule is spent is final.
+    """
+    B, K, G, *shape = next_latents.shape
+    device = next_latents.device
+    schedules = {(k, g): granular_schedule(sigmas, k, g)[k + 1 :].to(device) for k in sde_steps for g in granularities}
+    nodes = [(k, list(granularities), next_latents[:, ki].reshape(B * G, *shape)) for ki, k in enumerate(sde_steps)]
+    prompt_index = torch.arange(B, device=device).repeat_interleave(G)  # (B*G,)
+    final, position = {}, 0  # position: index into every live node's schedule
+    while nodes:
+        live = []
+        for k, gs, x in nodes:
+            if len(schedules[k, gs[0]]) == position + 1:  # schedule spent: x is the image latent of these (k, g)
+                final.update({(k, g): x for g in gs})
+            else:
+                live.append((k, gs, x))
+        if not live:
+            break
+        sigma = torch.cat([schedules[k, gs[0]][position].expand(B * G) for k, gs, _ in live])  # (M,)
+        velocity = forward(torch.cat([x for _, _, x in live]), sigma, prompt_index.repeat(len(live)))  # (M, ...)
+        nodes = []
+        for (k, gs, x), v in zip(live, velocity.split(B * G)):
+            children = {}  # granularities grouped by where their schedule goes next
+            for g in gs:
+                children.setdefault(float(schedules[k, g][position + 1]), []).append(g)
+            for sigma_next, child in children.items():
+                nodes.append((k, child, x + (sigma_next - schedules[k, gs[0]][position]) * v))  # Euler step
+        position += 1
+    return torch.stack([torch.stack([final[k, g].view(B, G, *shape) for k in sde_steps], 1)
+                        for g in granularities], 1)  # (B, J, K, G, ...)
 
 
 @torch.no_grad()
-def rollout_full_sde(velocity_fn, noise, sigmas, group_size, sde_steps, eta, generators, max_batch=64):
+def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64):
     """Baseline (DanceGRPO / Flow-GRPO): G full SDE trajectories per prompt from the shared noise; one reward per
     trajectory is later broadcast to its trained steps `sde_steps`. Every step is an SDE step."""
-    B, G = noise.shape[0], group_size
-    device, shape = noise.device, noise.shape[1:]
-    counter = Counter(velocity_fn, max_batch)
-    prompt_index = _expand(torch.arange(B, device=device), G)  # (B*G,)
+    B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
+    forward = Counter(velocity_fn, max_batch)
+    prompt_index = torch.arange(B, device=device).repeat_interleave(G)  # (B*G,)
     x = noise.float().repeat_interleave(G, dim=0)  # (B*G, ...)
     trained = {}
     for i in range(len(sigmas) - 1):
-        v = counter(x, sigmas[i].expand(B * G).to(device), prompt_index)
-        noise_i = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
-        x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=noise_i)
+        v = forward(x, sigmas[i].expand(B * G).to(device), prompt_index)
+        member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
+        x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=member_noise)
         if i in sde_steps:
-            trained[i] = (x, x_next, log_prob)
+            trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
         x = x_next
     return Rollout(
-        latents=torch.stack([trained[k][0].view(B, G, *shape) for k in sde_steps], 1),  # (B, K, G, ...)
-        next_latents=torch.stack([trained[k][1].view(B, G, *shape) for k in sde_steps], 1),  # (B, K, G, ...)
-        old_log_probs=torch.stack([trained[k][2].view(B, G) for k in sde_steps], 1),  # (B, K, G)
+        latents=torch.stack([trained[k][0] for k in sde_steps], 1),  # (B, K, G, ...)
+        next_latents=torch.stack([trained[k][1] for k in sde_steps], 1),  # (B, K, G, ...)
+        old_log_probs=torch.stack([trained[k][2] for k in sde_steps], 1),  # (B, K, G)
         final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
-        anchor_final=None, sde_steps=list(sde_steps), nfe=counter.nfe, calls=counter.calls,
-    )
+        anchor_final=None, sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)

@@ -9,8 +9,8 @@ import torch
 
 from advantage import granular_advantages, group_normalize
 from g2rpo import clipped_loss, g2rpo_update
-from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, sde_step,
-                     sigma_schedule)
+from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference,
+                     sde_kl, sde_step, sigma_schedule)
 
 REFERENCE_SIGMAS = [1.0, .9783, .9545, .9286, .9000, .8684, .8333, .7941, .7500, .7000, .6429, .5769, .5000,
                     .4091, .3000, .1667, 0.0]
@@ -40,7 +40,7 @@ def test_sde_log_prob_equals_torch_normal():
 
 
 def test_sde_noise_std_matches_reference_table():
-    # ALGORITHM.md Sec. 3: injected noise std at k = 0..7 for N 16, shift 3, eta 0.7
+    # the reference settings' injected noise std at k = 0..7 for N 16, shift 3, eta 0.7
     sigmas = sigma_schedule(16, 3.0)
     x, v = torch.zeros(1, 20000), torch.zeros(1, 20000)
     expected = [0.700, 0.723, 0.517, 0.427, 0.373, 0.337, 0.310, 0.289]
@@ -110,17 +110,20 @@ def reference_nfe(num_steps, group_size, sde_steps, granularities):
 @pytest.mark.parametrize("granularities,nfe", [([1, 2], 1504), ([1, 2, 3], 1708)])
 def test_rollout_nfe_at_reference_settings(granularities, nfe):
     sigmas = sigma_schedule(16, 3.0)
-    out = rollout_g2rpo(counting_velocity, torch.zeros(1, 2), sigmas, 12, list(range(8)), granularities, 0.7,
-                        generators(1), max_batch=4096)
+    out = rollout_g2rpo(counting_velocity, torch.zeros(1, 2), sigmas, generators(1), group_size=12,
+                        sde_steps=list(range(8)), granularities=granularities, eta=0.7, max_batch=4096)
+    reference = rollout_g2rpo_reference(counting_velocity, torch.zeros(1, 2), sigmas, generators(1), group_size=12,
+                                        sde_steps=list(range(8)), granularities=granularities, eta=0.7)
     assert out.nfe == nfe
     assert out.calls <= 40  # a few dozen calls, not thousands
-    assert reference_nfe(16, 12, range(8), granularities) == {1504: 1792, 1708: 2188}[nfe]
+    assert reference_nfe(16, 12, range(8), granularities) == reference.nfe == {1504: 1792, 1708: 2188}[nfe]
 
 
 @pytest.mark.parametrize("n,g,steps,grans,B", [(10, 4, [0, 3, 8], [1, 4], 2), (6, 2, [0, 1, 2, 3, 4, 5], [1, 2, 3], 3)])
 def test_rollout_nfe_formula(n, g, steps, grans, B):
     sigmas = sigma_schedule(n, 3.0)
-    out = rollout_g2rpo(counting_velocity, torch.zeros(B, 2), sigmas, g, steps, grans, 0.7, generators(B), 7)
+    out = rollout_g2rpo(counting_velocity, torch.zeros(B, 2), sigmas, generators(B), group_size=g, sde_steps=steps,
+                        granularities=grans, eta=0.7, max_batch=7)
     # ours: anchor + per member and k, the distinct (sigma-prefix) nodes of the granularity trie
     shared = 0
     for k in steps:
@@ -149,7 +152,8 @@ def test_rollout_structure():
     net = Affine(6, 2)
     sigmas = sigma_schedule(8, 3.0)
     noise = torch.randn(2, 6)
-    out = rollout_g2rpo(net, noise, sigmas, 3, [0, 2, 5], [1, 2], 0.7, generators(2), max_batch=5)
+    kw = dict(group_size=3, sde_steps=[0, 2, 5], granularities=[1, 2])
+    out = rollout_g2rpo(net, noise, sigmas, generators(2), **kw, eta=0.7, max_batch=5)
     assert out.latents.shape == (2, 3, 1, 6) and out.next_latents.shape == (2, 3, 3, 6)
     assert out.old_log_probs.shape == (2, 3, 3) and out.final_latents.shape == (2, 2, 3, 3, 6)
     # members share the anchor bit for bit, and differ after their SDE step
@@ -160,62 +164,94 @@ def test_rollout_structure():
         assert not torch.allclose(out.next_latents[:, ki, 0], out.next_latents[:, ki, 1])
     assert torch.allclose(out.anchor_final, x0, atol=1e-6)
     # with eta = 0 every g = 1 completion is the anchor's image
-    det = rollout_g2rpo(net, noise, sigmas, 3, [0, 2, 5], [1, 2], 0.0 + 1e-12, generators(2))
+    det = rollout_g2rpo(net, noise, sigmas, generators(2), **kw, eta=1e-12)
     assert torch.allclose(det.final_latents[:, 0], x0[:, None, None].expand(2, 3, 3, 6), atol=1e-4)
     # the member noise depends on the prompt's own generator only, not on the batch it shares
-    alone = rollout_g2rpo(lambda x, s, i: net(x, s, i + 1), noise[1:], sigmas, 3, [0, 2, 5], [1, 2], 0.7, generators(2)[1:])
+    alone = rollout_g2rpo(lambda x, s, i: net(x, s, i + 1), noise[1:], sigmas, generators(2)[1:], **kw, eta=0.7)
     assert torch.allclose(alone.next_latents[0], out.next_latents[1], atol=1e-6)
 
 
 def test_full_sde_rollout_shapes():
     net = Affine(6, 2)
-    out = rollout_full_sde(net, torch.randn(2, 6), sigma_schedule(8, 3.0), 3, [0, 4], 0.7, generators(2))
+    out = rollout_full_sde(net, torch.randn(2, 6), sigma_schedule(8, 3.0), generators(2), group_size=3,
+                           sde_steps=[0, 4], eta=0.7)
     assert out.latents.shape == (2, 2, 3, 6) and out.final_latents.shape == (2, 1, 1, 3, 6)
     assert out.nfe == 8 * 6 and out.calls == 8
     assert torch.equal(out.latents[:, 1], out.next_latents[:, 0]) is False  # steps 0 -> 1 and 4 -> 5 differ
     torch.testing.assert_close(out.latents[:, 0], torch.zeros(2, 3, 6) + out.latents[:, 0, :1])  # shared x_T
 
 
+@pytest.mark.parametrize("steps,grans,B", [([0, 2, 5], [1, 2, 3], 2), ([1, 3], [2, 4], 1), ([0, 6], [1], 2)])
+def test_fast_rollout_equals_the_papers_loop(steps, grans, B):
+    torch.manual_seed(0)
+    net = Affine(6, B)
+    sigmas, noise = sigma_schedule(8, 3.0), torch.randn(B, 6)
+    kw = dict(group_size=3, sde_steps=steps, granularities=grans, eta=0.7)
+    fast = rollout_g2rpo(net, noise, sigmas, generators(B), **kw, max_batch=4)
+    plain = rollout_g2rpo_reference(net, noise, sigmas, generators(B), **kw)
+    for name in ("latents", "next_latents", "old_log_probs", "final_latents", "anchor_final"):
+        torch.testing.assert_close(getattr(fast, name), getattr(plain, name), atol=1e-5, rtol=1e-5, msg=name)
+    assert fast.nfe < plain.nfe and fast.calls < plain.calls
+
+
+def test_sde_kl_equals_torch_kl_and_vanishes_at_the_reference():
+    torch.manual_seed(0)
+    sigmas = sigma_schedule(8, 3.0)
+    x, v, v_ref = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    for i in (0, 3):
+        dt = float(sigmas[i + 1] - sigmas[i])
+        std_dev, sigma = 0.7 * math.sqrt(float(sigmas[i]) / (1 - float(sigmas[i if i else 1]))), float(sigmas[i])
+        mean = lambda u: x * (1 + std_dev**2 / (2 * sigma) * dt) + u * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = std_dev * math.sqrt(-dt)
+        expected = torch.distributions.kl_divergence(torch.distributions.Normal(mean(v), std),
+                                                     torch.distributions.Normal(mean(v_ref), std)).mean(1)
+        torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, 0.7), expected, atol=1e-5, rtol=1e-4)
+    assert torch.equal(sde_kl(v, v, sigmas, 2, 0.7), torch.zeros(2))
+
+
 def test_group_normalize():
-    r = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
-    a = group_normalize(r, 3)
-    assert torch.allclose(a[:3], torch.tensor([-1.0, 0.0, 1.0]))  # unbiased std of (1, 2, 3) is 1
-    assert torch.equal(a[3:], torch.zeros(3))  # constant group: 0, not NaN
-    assert torch.allclose(a.view(2, 3).mean(1), torch.zeros(2))
-    with pytest.raises(ValueError, match="group size"):
-        group_normalize(r, 1)
+    r = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
+    a = group_normalize(r, dim=1)
+    assert torch.allclose(a[0], torch.tensor([-1.0, 0.0, 1.0]))  # unbiased std of (1, 2, 3) is 1
+    assert torch.equal(a[1], torch.zeros(3))  # constant group: 0, not NaN
+    with pytest.raises(ValueError, match="at least 2"):
+        group_normalize(r[:, :1], dim=1)
 
 
 def test_granular_advantages_sum_and_clamp():
     torch.manual_seed(0)
-    R, J, B, K, G = 2, 3, 2, 4, 5
-    rewards = torch.randn(R, J, B, K, G)
+    B, J, K, G, R = 2, 3, 4, 5, 2
+    rewards = torch.randn(B, J, K, G, R)
     adv = granular_advantages(rewards, adv_clip_max=100.0, weights=torch.tensor([1.0, 0.5]))
     by_hand = torch.zeros(B, K, G)
     for m, w in enumerate([1.0, 0.5]):
         for j in range(J):
             for b in range(B):
                 for k in range(K):
-                    r = rewards[m, j, b, k]
+                    r = rewards[b, j, k, :, m]
                     by_hand[b, k] += w * (r - r.mean()) / (r.std() + 1e-8)
     assert torch.allclose(adv, by_hand, atol=1e-5)
     assert torch.allclose(adv.mean(-1), torch.zeros(B, K), atol=1e-5)
-    clipped = granular_advantages(rewards * 0 + torch.tensor([0.0, 0, 0, 0, 100])[None, None, None, None], 1.0)
-    assert clipped.abs().max() == 1.0
-    assert torch.equal(granular_advantages(torch.ones(R, J, B, K, G), 5.0), torch.zeros(B, K, G))
+    spike = torch.zeros(B, J, K, G, R)
+    spike[..., -1, :] = 100.0
+    assert granular_advantages(spike, adv_clip_max=1.0).abs().max() == 1.0
+    assert torch.equal(granular_advantages(torch.ones(B, J, K, G, R), adv_clip_max=5.0), torch.zeros(B, K, G))
 
 
 def test_clipped_loss_value_and_gradient():
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
     old = torch.zeros(4)
     lp = torch.zeros(4, requires_grad=True)
-    assert torch.allclose(clipped_loss(lp, old, adv, 1e-4, 5.0), -adv.mean())
+    assert torch.allclose(clipped_loss(lp, old, adv, 1e-4), -adv.mean())
     # push ratios far out of the clip range: positive A with r > 1 + eps and negative A with r < 1 - eps are clipped
     lp = torch.tensor([0.1, -0.1, -0.1, 0.1], requires_grad=True)
-    clipped_loss(lp, old, adv, 1e-4, 5.0).backward()
+    clipped_loss(lp, old, adv, 1e-4).backward()
     # A > 0 with r > 1 + eps, and A < 0 with r < 1 - eps: the clipped branch is the max, so no gradient
     assert lp.grad[0] == 0 and lp.grad[1] == 0 and lp.grad[3] == 0
     assert lp.grad[2] < 0  # A > 0 and r < 1: unclipped, the loss pulls the log-prob up
+
+
+UPDATE = dict(eta=0.7, clip_range=1.0, max_grad_norm=1e9)
 
 
 def test_one_iteration_learns():
@@ -223,31 +259,46 @@ def test_one_iteration_learns():
     net = Affine(6, 2)
     sigmas = sigma_schedule(8, 3.0)
     target = torch.tensor([[1.0] * 6, [-1.0] * 6])
-    noise = torch.randn(2, 6)
-    out = rollout_g2rpo(net, noise, sigmas, 4, [0, 1, 2], [1, 2], 0.7, generators(2))
+    out = rollout_g2rpo(net, torch.randn(2, 6), sigmas, generators(2), group_size=4, sde_steps=[0, 1, 2],
+                        granularities=[1, 2], eta=0.7)
     rewards = -(out.final_latents - target[:, None, None, None]).pow(2).mean(-1)  # (B, J, K, G)
-    adv = granular_advantages(rewards.permute(1, 0, 2, 3)[None], 5.0)  # (B, K, G)
+    adv = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
-    opt = torch.optim.SGD(params, lr=1e-2)
-    loss_of = lambda: g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, 0.7, 1.0, 5.0,
-                                   1e9, step_per_sde_step=False)["loss"]
-    loss_before = loss_of()
-    frozen = g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, 0.7, 1.0, 5.0, 1e9)
-    assert abs(frozen["ratio_mean"] - 1) < 1e-6 and frozen["approx_kl"] < 1e-12  # ratio is 1 before any update
-    stats = g2rpo_update(net, params, opt, out, adv, sigmas, 0.7, 1.0, 5.0, 1e9, step_per_sde_step=True)
-    assert stats["optimizer_steps"] == 3 and stats["skipped_steps"] == 0
+    frozen = lambda **kw: g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **UPDATE, **kw)
+    loss_before = frozen(step_per_sde_step=False)["loss"]
+    first = frozen()
+    assert abs(first["ratio_mean"] - 1) < 1e-6 and first["approx_kl"] < 1e-12  # ratio is 1 before any update
+    stats = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **UPDATE)
+    assert stats["optimizer_steps"] == 3 and stats["skipped_steps"] == 0 and stats["grad_norm"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(params, before))
-    assert loss_of() < loss_before
+    assert frozen(step_per_sde_step=False)["loss"] < loss_before
+
+
+def test_kl_term_zero_at_the_base_and_positive_after_an_update():
+    torch.manual_seed(0)
+    net, base = Affine(6, 1), Affine(6, 1)
+    base.load_state_dict(net.state_dict())
+    sigmas = sigma_schedule(6, 3.0)
+    out = rollout_g2rpo(net, torch.randn(1, 6), sigmas, generators(1), group_size=4, sde_steps=[0, 1],
+                        granularities=[1], eta=0.7)
+    adv = torch.randn(1, 2, 4)
+    params = list(net.parameters())
+    kw = dict(**UPDATE, kl_beta=0.5, reference_velocity_fn=base)
+    assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] == 0.0
+    g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **kw)
+    assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] > 0.0
 
 
 def test_update_skips_non_finite():
     net = Affine(6, 1)
     sigmas = sigma_schedule(4, 3.0)
-    out = rollout_g2rpo(net, torch.randn(1, 6), sigmas, 2, [0], [1], 0.7, generators(1))
+    out = rollout_g2rpo(net, torch.randn(1, 6), sigmas, generators(1), group_size=2, sde_steps=[0],
+                        granularities=[1], eta=0.7)
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
     adv = torch.tensor([[[float("nan"), 1.0]]])
-    stats = g2rpo_update(net, params, torch.optim.SGD(params, lr=1.0), out, adv, sigmas, 0.7, 1.0, 5.0, 1.0)
+    stats = g2rpo_update(net, params, torch.optim.SGD(params, lr=1.0), out, adv, sigmas, eta=0.7, clip_range=1.0,
+                         max_grad_norm=1.0)
     assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 0
     assert all(torch.equal(p, q) for p, q in zip(params, before))
