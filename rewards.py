@@ -6,14 +6,15 @@ name from `REWARDS`; each factory imports its heavy packages inside, so an unuse
 Each registry entry declares the paths its factory reads (field name, default, help); `path_fields()` lists them
 for the command lines, which make one flag per field. Adding a reward = a factory + its entry in `REWARDS`.
 
-| name        | model                                                          | score                              |
-|-------------|----------------------------------------------------------------|------------------------------------|
-| hps         | open_clip ViT-H-14 + HPS-v2.1 state dict (hub xswu/HPSv2)      | cos(image, text), ~0.25-0.40       |
-| clip        | open_clip model (default apple/DFN5B-CLIP-ViT-H-14)            | cos(image, text)                   |
-| pickscore   | transformers CLIPModel yuvalkirstain/PickScore_v1              | logit_scale.exp() * cos, ~20-23    |
-| aesthetic   | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head  | MLP(normalised image features)     |
-| imagereward | the `image-reward` package (BLIP backbone)                     | its standardised score             |
-| shapes      | none: the tiny world's pixel rule (tiny.py)                    | colour, position, shape in [0, 1]  |
+| name          | model                                                        | score                             |
+|---------------|--------------------------------------------------------------|-----------------------------------|
+| hps           | open_clip ViT-H-14 + HPS-v2.1 state dict (hub xswu/HPSv2)    | cos(image, text), ~0.25-0.40      |
+| clip          | open_clip model (default apple/DFN5B-CLIP-ViT-H-14)          | cos(image, text)                  |
+| pickscore     | transformers CLIPModel yuvalkirstain/PickScore_v1            | logit_scale.exp() * cos, ~20-23   |
+| aesthetic     | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head | MLP(normalised image features)    |
+| imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
+| unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
+| shapes        | none: the tiny world's pixel rule (tiny.py)                  | colour, position, shape in [0, 1] |
 
 Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
 reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
@@ -222,6 +223,107 @@ def shapes(device, dtype, batch_size, paths):
 
 
 
+# The pointwise question UnifiedReward models were trained to answer (worded as their authors publish it, since a
+# judge's scores depend on its prompt); the reply ends with "Final Score: <1-5>".
+UNIFIEDREWARD_QUESTION = (
+    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
+    "this image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with "
+    "the provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as "
+    "described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including "
+    "clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, "
+    "assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]")
+
+
+def chat_completions_url(url: str) -> str:
+    """An OpenAI-compatible server's base URL (http://host:8000/v1) or its full chat-completions endpoint."""
+    url = url.rstrip("/")
+    return url if url.endswith("/chat/completions") else url + "/chat/completions"
+
+
+def png_data_url(image) -> str:
+    """(3, H, W) in [0, 1] -> 'data:image/png;base64,...' (lossless, so the judge sees the sampled pixels)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    array = (image.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy()  # (H, W, 3)
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def parse_judge_score(reply: str) -> float:
+    """The number after the last 'Final Score:' in a judge's reply; NaN when there is none (logged, never 0)."""
+    import re
+
+    found = re.findall(r"Final Score:\s*\**\s*([-+]?\d+(?:\.\d+)?)", reply, flags=re.IGNORECASE)
+    return float(found[-1]) if found else float("nan")
+
+
+def _post_json(url: str, body: dict, timeout: float, attempts: int = 3) -> dict:
+    """POST JSON, read JSON; connection errors and 5xx are retried with a growing pause, anything else raises."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            if err.code < 500 or attempt == attempts - 1:
+                raise RewardError(f"the judge at {url} answered HTTP {err.code}: {err.read()[:200]!r}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            if attempt == attempts - 1:
+                raise RewardError(f"no judge answering at {url} ({getattr(err, 'reason', err)}); start an "
+                                  f"OpenAI-compatible server (e.g. vLLM) or pass its URL") from None
+        time.sleep(2**attempt)
+
+
+def _check_server(url: str):
+    """Fail at load time, not after hours of sampling, when nothing listens at `url` (any HTTP answer will do)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url.removesuffix("/chat/completions") + "/models", timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # a server answered
+    except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError) as err:
+        raise RewardError(f"no judge answering at {url} ({getattr(err, 'reason', err)}); start an OpenAI-compatible "
+                          f"server for it (e.g. vLLM) or pass its URL") from None
+
+
+def unifiedreward(device, dtype, batch_size, paths):
+    """UnifiedReward: a vision-language judge behind an OpenAI-compatible chat-completions server (vLLM, SGLang).
+
+    Each image goes to the server as a PNG data URL beside the scoring question; the score (1-5) is parsed from
+    the reply. `batch_size` requests are in flight at once. A reply without a score gives NaN."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, model = chat_completions_url(paths["unifiedreward_url"]), paths["unifiedreward_model"]
+    _check_server(url)
+
+    def ask(image, prompt):
+        content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                   {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]
+        reply = _post_json(url, {"model": model, "temperature": 0.0, "max_tokens": 1024,
+                                 "messages": [{"role": "user", "content": content}]}, timeout=300)
+        try:
+            return parse_judge_score(reply["choices"][0]["message"]["content"] or "")
+        except (KeyError, IndexError, TypeError):
+            raise RewardError(f"the judge at {url} sent no chat completion: {str(reply)[:200]}") from None
+
+    def score(images, prompts):
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            return torch.tensor(list(pool.map(ask, images.float().cpu(), prompts)))
+
+    return _batched(score, batch_size)
+
+
 @dataclass(frozen=True)
 class Reward:
     """A registry entry: the factory `factory(device, dtype, batch_size, paths) -> fn(images, prompts) -> (N,)`
@@ -255,6 +357,12 @@ REWARDS: dict[str, Reward] = {
                            "The LAION aesthetic v2 MLP head file (improved-aesthetic-predictor)."),
     }),
     "imagereward": Reward(imagereward),
+    "unifiedreward": Reward(unifiedreward, {
+        "unifiedreward_url": ("http://127.0.0.1:8000/v1",
+                              "OpenAI-compatible server of the UnifiedReward judge: base URL or chat-completions URL."),
+        "unifiedreward_model": ("CodeGoat24/UnifiedReward-7b-v1.5",
+                                "The judge's model name as the server knows it (vLLM: the served model name)."),
+    }),
     "shapes": Reward(shapes),
 }
 

@@ -221,3 +221,80 @@ def test_registry_declares_each_path_once(monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "clip", rewards.Reward(spy, clip_paths))
     load_reward("clip", paths={"hps_arch": "not-read-by-clip"})  # a missing field takes its default
     assert seen["clip_model"] == clip_paths["clip_model"][0]
+
+
+class JudgeServer:
+    """A stand-in for an OpenAI-compatible VLM server: it checks each request as vLLM would receive it and replies
+    with a score it can recompute (the image's mean brightness mapped to 1-5), or no score for an empty caption."""
+
+    def __init__(self, fail_first=0):
+        import http.server
+        import threading
+
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, {"object": "list", "data": [{"id": "judge"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append((self.path, body))
+                if len(server.requests) <= fail_first:
+                    return self._send(503, {"error": "busy"})
+                self._send(200, {"choices": [{"message": {"role": "assistant", "content": server.reply(body)}}]})
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.requests = []
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+
+    @staticmethod
+    def reply(body):
+        import base64
+        import io
+
+        image_part, text_part = body["messages"][0]["content"]
+        header, data = image_part["image_url"]["url"].split(",", 1)
+        assert header == "data:image/png;base64"
+        pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"), dtype=np.float64)
+        caption = text_part["text"].rsplit("Text Caption: [", 1)[1].rstrip("]")
+        if not caption:
+            return "I cannot judge this."
+        return f"The image shows {caption}.\nFinal Score: {1 + 4 * pixels.mean() / 255:.4f}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_unifiedreward_client_against_a_local_server(monkeypatch):
+    monkeypatch.setattr("time.sleep", lambda seconds: None)  # retries without waiting
+    server = JudgeServer(fail_first=1)  # the first request gets a 503 and is retried
+    try:
+        fn = load_reward("unifiedreward", batch_size=2,
+                         paths={"unifiedreward_url": server.url, "unifiedreward_model": "judge"})
+        images = smooth_images(n=3, h=32, w=32)
+        scores = fn(images, ["a red circle", "", "a blue square"])
+        expected = 1 + 4 * (images * 255).round() / 255
+        assert scores.shape == (3,) and scores[1].isnan()  # no "Final Score:" in the reply: NaN, never 0
+        torch.testing.assert_close(scores[[0, 2]], expected.mean(dim=(1, 2, 3))[[0, 2]], atol=1e-4, rtol=0)
+        path, body = server.requests[-1]
+        assert path == "/v1/chat/completions" and body["model"] == "judge" and body["temperature"] == 0
+        assert len(server.requests) == 4
+    finally:
+        server.close()
+    with pytest.raises(RewardError, match="no judge answering at http://127.0.0.1:9/v1/chat/completions"):
+        load_reward("unifiedreward", paths={"unifiedreward_url": "http://127.0.0.1:9/v1"})
+    assert rewards.parse_judge_score("**Final Score:** 4.5\nFinal Score: 3") == 3.0
