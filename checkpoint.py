@@ -1,17 +1,46 @@
-"""Checkpoints that a crash cannot corrupt, and that stock diffusers loads.
+"""The run folder on disk: who owns it, checkpoints that a crash cannot corrupt, and the metrics file.
 
-Layout of one checkpoint, `<output>/checkpoints/iter_000040/`:
-    transformer/   full fine-tune: config.json + diffusion_pytorch_model*.safetensors (FluxTransformer2DModel
-                   .from_pretrained(dir) loads it)
-    lora/          LoRA: pytorch_lora_weights.safetensors (FluxPipeline.load_lora_weights(dir) loads it)
-    trainer.pt     optimizer state, iteration, config (torch.load(weights_only=True) reads it)
-Each is written into `iter_000040.tmp/` and renamed when complete, so the newest folder without `.tmp` is always
-whole. The data order and every noise are functions of (seed, iteration), so iteration is all a resume needs.
-Works without a process group, under DDP and under FSDP2 (full state dicts gathered to rank 0).
+A run folder, `<output>/`:
+    .lock                      `hostname pid` of the run that holds the folder (empty once released cleanly)
+    config.json                every flag, and the code version
+    metrics.jsonl              one strict-JSON line per logged iteration (non-finite numbers written as null)
+    samples/                   evaluation grids
+    checkpoints/iter_000040/   one checkpoint:
+        transformer/           full fine-tune: config.json + diffusion_pytorch_model*.safetensors
+                               (FluxTransformer2DModel.from_pretrained(dir) loads it)
+        lora/                  LoRA: pytorch_lora_weights.safetensors (FluxPipeline.load_lora_weights(dir) loads it)
+        <name>.safetensors     extra named state dicts (e.g. ema.safetensors)
+        trainer.pt             optimizer state, iteration, config (torch.load(weights_only=True) reads it)
+        manifest.json          every other file's relative path, size and sha256 (written last)
+    checkpoints/iter_000041.tmp/       a checkpoint being written (ignored; replaced by the next save)
+    checkpoints/iter_000042.damaged/   a checkpoint that failed verification, set aside (never deleted)
+
+Guarantees:
+1. One run at a time: `lock_output` takes an flock on `.lock` before anything else is written. The kernel drops
+   the flock when its process dies however it dies, so a crashed run's lock is never stale in effect; its
+   leftover `hostname pid` is reported in a one-line warning when the next run takes the folder over.
+2. A checkpoint appears whole or not at all: it is written into `iter_N.tmp/`, every file and folder fsynced,
+   then renamed to `iter_N/` and the `checkpoints/` folder fsynced, so a power loss leaves either the old state
+   or the new one.
+3. A checkpoint is verified before it is trusted (`verify`): every file the manifest lists is there with its
+   size, files up to HASH_LIMIT match their sha256, trainer.pt opens and every .safetensors header matches its
+   file size. `latest_checkpoint` returns the newest checkpoint that verifies and sets newer damaged ones aside.
+4. Rotation deletes only checkpoints older than the one just written, so the newest good one always survives.
+5. metrics.jsonl is appended line by line with fsync; a line cut short by a crash is skipped when read, and
+   rows from after the resumed checkpoint are dropped by an atomic rewrite.
+
+The data order and every noise are functions of (seed, iteration), so the iteration is all a resume needs.
+Works without a process group, under DDP and under FSDP2 (full state dicts gathered to rank 0, written by it).
 """
+import atexit
+import fcntl
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import socket
 
 import torch
 import torch.distributed as dist
@@ -22,6 +51,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 # config fields that must match for a resume to continue the same run
 RESUME_KEYS = ["model", "model_path", "lora_rank", "resolution", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration"]
+MANIFEST = "manifest.json"
+# Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
+# on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32
+# weights + ~96 GB of AdamW state) would add minutes to every save and every resume. What a crash does to a file
+# (cut short, or never written) shows in its size; fsync before the rename rules out a right-size file of garbage.
+HASH_LIMIT = 4 << 30
+LORA_WEIGHTS = os.path.join("lora", "pytorch_lora_weights.safetensors")
 
 
 def _is_main():
@@ -33,18 +69,185 @@ def _barrier():
         dist.barrier()
 
 
+# ---------------------------------------------------------------- the output-folder lock
+
+class LockedError(RuntimeError):
+    """The output folder is held by another run that is still alive."""
+
+
+class Lock:
+    """An exclusive hold on an output folder, from `lock_output`. A context manager; `release()` is idempotent."""
+
+    def __init__(self, path, fd):
+        self.path, self._fd = path, fd
+        atexit.register(self.release)  # a sys.exit outside any `with` still empties the file
+
+    def release(self):
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)  # empty = released cleanly, so the next run does not warn about a crash
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        atexit.unregister(self.release)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+
+def _holder(fd) -> str:
+    """`pid P on host H` from the lock file's `hostname pid` line, or '' if it is empty."""
+    fields = os.pread(fd, 4096, 0).decode(errors="replace").split()
+    return f"pid {fields[1]} on host {fields[0]}" if len(fields) == 2 else " ".join(fields)
+
+
+def lock_output(output_dir, log=print) -> Lock:
+    """Create `output_dir` if needed and hold it for this process, or raise LockedError naming the holder.
+
+    Why flock rather than O_CREAT|O_EXCL: the kernel releases an flock when its process dies, however it dies, so
+    there is no stale-lock guessing (a PID reused by an unrelated process, a holder on another host of a shared
+    filesystem); the `hostname pid` written into the file is for the messages. Under torchrun only rank 0 locks."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd) or "another process (starting up)"
+        os.close(fd)
+        raise LockedError(f"output folder '{output_dir}' is in use by {holder}: wait for that run to end or stop "
+                          f"it, or choose another output folder") from None
+    except OSError as err:  # a filesystem without locks (some network mounts): run, but say so
+        os.close(fd)
+        log(f"warning: cannot lock '{output_dir}' ({err.strerror}); make sure no other run writes into it")
+        return Lock(path, None)
+    previous = _holder(fd)
+    if previous:
+        log(f"warning: taking over '{output_dir}', whose lock was left by {previous}, which is no longer running")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+    os.fsync(fd)
+    return Lock(path, fd)
+
+
+# ---------------------------------------------------------------- listing and verifying checkpoints
+
+def _iteration_of_folder(path) -> int:
+    return int(os.path.basename(path).removeprefix("iter_"))
+
+
 def list_checkpoints(output_dir):
+    """Complete checkpoint folders `iter_N`, oldest first (`.tmp`, `.damaged*` and other suffixes are ignored)."""
     folder = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(folder):
         return []
-    done = [d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp")
-            and os.path.isfile(os.path.join(folder, d, "trainer.pt"))]
-    return [os.path.join(folder, d) for d in sorted(done)]
+    done = [d for d in os.listdir(folder) if re.fullmatch(r"iter_\d+", d) and os.path.isdir(os.path.join(folder, d))]
+    return sorted((os.path.join(folder, d) for d in done), key=_iteration_of_folder)
 
 
-def latest_checkpoint(output_dir):
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+def _sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest_problem(path):
+    """Why the files of `path` differ from its manifest, or None."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"unreadable {MANIFEST} ({err})"
+    for name, expected in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"missing file {name}"
+        if os.path.getsize(full) != expected["size"]:
+            return f"size mismatch: {name} holds {os.path.getsize(full)} bytes, {expected['size']} were written"
+        if "sha256" in expected and _sha256(full) != expected["sha256"]:
+            return f"checksum mismatch: {name} differs from what was written"
+    return None
+
+
+def _safetensors_problem(path):
+    """Why a .safetensors file is not whole (its header's data end must be the file's end), or None."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + header_size > size:
+                return "its header is cut short"
+            header = json.loads(f.read(header_size))
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return "its header is unreadable"
+    if 8 + header_size + data_end != size:
+        return f"it holds {size} bytes, its header describes {8 + header_size + data_end}"
+    return None
+
+
+def _trainer_state_problem(path):
+    """Why trainer.pt does not open, or None. mmap reads the zip directory and pickle, not the tensors."""
+    try:
+        state = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # any failure to open it means the same thing: this checkpoint cannot resume
+        return f"unreadable trainer.pt ({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"
+    return None if isinstance(state, dict) and "iteration" in state else "unreadable trainer.pt (no iteration)"
+
+
+def _structure_problem(path):
+    """Why `path` cannot be loaded, judged from its files alone (all a checkpoint without manifest offers)."""
+    if not os.path.isfile(os.path.join(path, "trainer.pt")):
+        return "missing file trainer.pt"
+    transformer = os.path.join(path, "transformer")
+    shards = [os.path.join("transformer", n) for n in sorted(os.listdir(transformer)) if n.endswith(".safetensors")] \
+        if os.path.isdir(transformer) else []
+    if not shards and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+        return f"missing weights (neither transformer/*.safetensors nor {LORA_WEIGHTS})"
+    extras = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    for name in shards + extras + ([LORA_WEIGHTS] if not shards else []):
+        problem = _safetensors_problem(os.path.join(path, name))
+        if problem:
+            return f"damaged file {name}: {problem}"
+    return _trainer_state_problem(path)
+
+
+def verify(path):
+    """None if the checkpoint at `path` is whole, else a one-line reason (missing file, size mismatch, checksum
+    mismatch, unreadable trainer.pt, ...). A checkpoint without manifest (older versions) is judged by its files."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        problem = _manifest_problem(path)
+        if problem:
+            return problem
+    return _structure_problem(path)
+
+
+def _set_aside(path, label):
+    """Rename `path` to `path.label` (or `.label-2`, ...) so it is neither loaded nor deleted; returns the name."""
+    target, n = f"{path}.{label}", 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.{label}-{n}"
+    os.rename(path, target)
+    return target
+
+
+def latest_checkpoint(output_dir, log=print):
+    """The newest checkpoint that verifies, or None. Newer damaged ones are named in a warning and set aside as
+    `iter_N.damaged` so they neither block nor are retried. Renames folders: call it from one process (rank 0)."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        aside = _set_aside(path, "damaged")
+        log(f"warning: checkpoint {path} is damaged ({problem}); set aside as {os.path.basename(aside)}, "
+            f"trying an older one")
+    return None
 
 
 def read_trainer_state(path):
@@ -59,15 +262,77 @@ def incompatible(saved: dict, current: dict):
     return None
 
 
+# ---------------------------------------------------------------- writing and loading checkpoints
+
 def _full_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save(output_dir, iteration, model, transformer, optimizer, config, lora, pipeline_class, keep=2):
-    """Write checkpoint `iteration` atomically. `model` is what was wrapped (DDP / FSDP2 / plain), `transformer`
-    the unwrapped diffusers module. All ranks call this (gathering full state dicts is collective)."""
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_and_describe(path) -> dict:
+    """fsync one written file; its manifest entry: size, and sha256 up to HASH_LIMIT."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    entry = {"size": os.path.getsize(path)}
+    if entry["size"] <= HASH_LIMIT:
+        entry["sha256"] = _sha256(path)
+    return entry
+
+
+def _seal(tmp):
+    """fsync every file under `tmp`, then write and fsync manifest.json last, then fsync every folder."""
+    files = {}
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, tmp)] = _sync_and_describe(full)
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for root, _, _ in os.walk(tmp, topdown=False):
+        _fsync_dir(root)
+
+
+def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora, pipeline_class, extra):
+    from safetensors.torch import save_file
+
+    if lora:
+        pipeline_class.save_lora_weights(os.path.join(tmp, "lora"), transformer_lora_layers=weights)
+    else:
+        from huggingface_hub import save_torch_state_dict
+
+        transformer.save_config(os.path.join(tmp, "transformer"))
+        save_torch_state_dict({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "transformer"),
+                              filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size="10GB")
+    for name, state in (extra or {}).items():
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, os.path.join(tmp, f"{name}.safetensors"))
+    torch.save({"iteration": iteration, "optimizer": optim_state, "config": config}, os.path.join(tmp, "trainer.pt"))
+
+
+def _rotate(output_dir, iteration, keep):
+    """Delete all but the newest `keep` checkpoints, counting the one just written at `iteration`. Only older ones
+    are candidates, so neither the one just written nor a newer one is ever removed."""
+    older = [p for p in list_checkpoints(output_dir) if _iteration_of_folder(p) < iteration]
+    for old in older[:max(0, len(older) - (max(keep, 1) - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(output_dir, iteration, model, transformer, optimizer, config, lora, pipeline_class, keep=2, extra=None,
+         log=print):
+    """Write checkpoint `iteration` atomically and durably, then keep the newest `keep`. `model` is what was wrapped
+    (DDP / FSDP2 / plain), `transformer` the unwrapped diffusers module; `extra` maps names to further state dicts
+    (gathered by the caller), saved as `<name>.safetensors`. All ranks call this (gathering is collective)."""
+    if any(not re.fullmatch(r"[A-Za-z0-9_-]+", name) for name in extra or {}):
+        raise ValueError(f"extra state names must be letters, digits, '_' or '-': {sorted(extra)}")
     folder = os.path.join(output_dir, "checkpoints", f"iter_{iteration:06d}")
-    tmp = folder + ".tmp"
     if lora:
         from peft import get_peft_model_state_dict
 
@@ -76,35 +341,32 @@ def save(output_dir, iteration, model, transformer, optimizer, config, lora, pip
         weights = get_model_state_dict(model, options=_full_options())
     optim_state = get_optimizer_state_dict(model, optimizer, options=_full_options())
     if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = folder + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's partial write
         os.makedirs(tmp)
-        if lora:
-            pipeline_class.save_lora_weights(os.path.join(tmp, "lora"), transformer_lora_layers=weights)
-        else:
-            from huggingface_hub import save_torch_state_dict
-
-            transformer.save_config(os.path.join(tmp, "transformer"))
-            save_torch_state_dict({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "transformer"),
-                                  filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-                                  max_shard_size="10GB")
-        torch.save({"iteration": iteration, "optimizer": optim_state, "config": config},
-                   os.path.join(tmp, "trainer.pt"))
+        _write_files(tmp, iteration, weights, optim_state, config, transformer, lora, pipeline_class, extra)
+        _seal(tmp)
+        if os.path.exists(folder):  # e.g. a damaged checkpoint of this iteration that no resume set aside
+            problem = verify(folder)
+            aside = _set_aside(folder, "damaged" if problem else "replaced")
+            log(f"warning: {folder} already existed ({problem or 'complete'}); set aside as {os.path.basename(aside)}")
         os.replace(tmp, folder)  # atomic: the checkpoint appears whole or not at all
-        for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(os.path.dirname(folder))
+        _rotate(output_dir, iteration, keep)
     _barrier()
     return folder
 
 
 def load(path, model, transformer, optimizer, lora):
-    """Restore weights and optimizer state from `path`; returns the trainer state dict."""
+    """Restore weights and optimizer state from `path`; returns the trainer state dict, with the extra state dicts
+    under "extra" ({name: state_dict}, empty if the checkpoint holds none)."""
     from safetensors.torch import load_file
 
     state = read_trainer_state(path)
     if lora:
         from peft import set_peft_model_state_dict
 
-        saved = load_file(os.path.join(path, "lora", "pytorch_lora_weights.safetensors"))
+        saved = load_file(os.path.join(path, LORA_WEIGHTS))
         set_peft_model_state_dict(transformer, {k.removeprefix("transformer."): v for k, v in saved.items()})
     else:
         folder = os.path.join(path, "transformer")
@@ -114,4 +376,69 @@ def load(path, model, transformer, optimizer, lora):
                 weights.update(load_file(os.path.join(folder, name)))
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    state["extra"] = {name.removesuffix(".safetensors"): load_file(os.path.join(path, name))
+                      for name in sorted(os.listdir(path)) if name.endswith(".safetensors")}
     return state
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+def append_metrics(path, row: dict):
+    """Append `row` as one strict-JSON line, flushed and fsynced. Non-finite floats (NaN, inf) are written as
+    null, since strict JSON has no NaN: a null metric means the value was not finite."""
+    line = json.dumps(_finite_or_null(row), allow_nan=False) + "\n"
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a line cut short by a crash: do not glue this row onto it
+                line = "\n" + line
+        f.write(line.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_metrics(path) -> list:
+    """The rows of a metrics file (a missing file has none), non-finite numbers as None; lines that do not parse
+    (cut short by a crash) are skipped."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(_finite_or_null(row))  # an older version's bare NaN reads as null too
+    return rows
+
+
+def truncate_metrics(path, upto_iteration, log=print) -> list:
+    """Keep the rows with iteration <= `upto_iteration` (the resumed checkpoint's), rewritten atomically; returns
+    them. A missing file, or one without a row for that iteration, is warned about and rebuilt from what is there
+    (possibly empty): the metrics never block a resume."""
+    if not os.path.exists(path):
+        log(f"warning: {path} is missing; starting a new one (the curve before iteration {upto_iteration} is lost)")
+    rows = [r for r in read_metrics(path) if isinstance(r.get("iteration"), int) and r["iteration"] <= upto_iteration]
+    if os.path.exists(path) and not any(r["iteration"] == upto_iteration for r in rows):
+        log(f"warning: {path} has no row for iteration {upto_iteration}; keeping the {len(rows)} rows before it")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return rows

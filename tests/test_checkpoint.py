@@ -1,0 +1,268 @@
+"""The run folder on disk (checkpoint.py): the output-folder lock held by real processes, checkpoints written by
+`save` from a real tiny FluxTransformer2DModel and AdamW then damaged on disk, and the metrics file.
+
+    python -m pytest -q tests/test_checkpoint.py
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WEIGHTS = os.path.join("transformer", "diffusion_pytorch_model.safetensors")
+
+
+# ---------------------------------------------------------------- the lock, with real processes
+
+def start_holder(out):
+    """A separate Python process that takes the lock on `out`, says so, and sleeps holding it."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import checkpoint
+        lock = checkpoint.lock_output({str(out)!r})
+        print("locked", flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_live_holder_refuses_a_second_run_and_a_killed_one_is_taken_over(tmp_path):
+    out = tmp_path / "runs" / "x"  # created by the holder
+    holder = start_holder(out)
+    try:
+        with pytest.raises(checkpoint.LockedError) as refused:
+            checkpoint.lock_output(str(out))
+        message = str(refused.value)
+        assert "\n" not in message and str(out) in message and f"pid {holder.pid}" in message
+        assert socket.gethostname() in message
+    finally:
+        holder.kill()
+        holder.wait()
+    warnings = []
+    with checkpoint.lock_output(str(out), log=warnings.append) as lock:
+        assert len(warnings) == 1 and f"pid {holder.pid}" in warnings[0] and "no longer running" in warnings[0]
+        assert open(lock.path).read() == f"{socket.gethostname()} {os.getpid()}\n"
+    lock.release()  # a second release is harmless
+    assert open(lock.path).read() == ""
+
+
+def test_a_second_process_is_refused_while_this_one_holds_and_a_clean_release_leaves_no_warning(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        import checkpoint
+        try:
+            with checkpoint.lock_output({str(tmp_path)!r}):
+                print("took it")
+        except checkpoint.LockedError as err:
+            sys.exit(str(err))
+    """)
+    lock = checkpoint.lock_output(str(tmp_path))
+    refused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert refused.returncode == 1 and f"pid {os.getpid()}" in refused.stderr and "Traceback" not in refused.stderr
+    lock.release()
+    taken = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert taken.returncode == 0 and taken.stdout == "took it\n"  # no warning: it was released cleanly
+    with checkpoint.lock_output(str(tmp_path), log=pytest.fail):
+        pass
+
+
+# ---------------------------------------------------------------- checkpoints written by save
+
+@pytest.fixture
+def trained():
+    """A tiny real FluxTransformer2DModel and an AdamW that has taken one step (so it holds state)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                   pooled_projection_dim=16, axes_dims_rope=[2, 2, 4])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return model, optimizer
+
+
+def save(out, iteration, trained, keep=2, extra=None, log=print):
+    model, optimizer = trained
+    return checkpoint.save(str(out), iteration, model, model, optimizer, {"seed": 0}, False, None, keep=keep,
+                           extra=extra, log=log)
+
+
+def test_save_writes_a_manifest_and_load_restores_everything(tmp_path, trained):
+    model, optimizer = trained
+    ema = {"w": torch.arange(6.0).reshape(2, 3)}
+    path = save(tmp_path, 1, trained, extra={"ema": ema})
+    assert os.listdir(tmp_path / "checkpoints") == ["iter_000001"]
+    files = json.load(open(os.path.join(path, "manifest.json")))["files"]
+    assert sorted(files) == ["ema.safetensors", "trainer.pt", "transformer/config.json", WEIGHTS]
+    for name, entry in files.items():
+        assert entry["size"] == os.path.getsize(os.path.join(path, name)) and len(entry["sha256"]) == 64
+    assert checkpoint.verify(path) is None
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = checkpoint.load(path, model, model, optimizer, lora=False)
+    assert state["iteration"] == 1 and state["config"] == {"seed": 0}
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert torch.equal(state["extra"]["ema"]["w"], ema["w"])
+
+
+def test_lora_checkpoints_verify_and_load(tmp_path, trained):
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+
+    model, _ = trained
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
+    lora_params = [p for n, p in model.named_parameters() if "lora" in n]
+    optimizer = torch.optim.AdamW(lora_params)
+    path = checkpoint.save(str(tmp_path), 3, model, model, optimizer, {}, True, FluxPipeline)
+    assert checkpoint.verify(path) is None
+    saved = [p.detach().clone() for p in lora_params]
+    with torch.no_grad():
+        for p in lora_params:
+            p.zero_()
+    assert checkpoint.load(path, model, model, optimizer, lora=True)["extra"] == {}
+    assert all(torch.equal(p, s) for p, s in zip(lora_params, saved))
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def flip_a_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+DAMAGE = {  # name: (what is done to the newest checkpoint, words of the reason)
+    "truncated trainer.pt": (lambda c: truncate(os.path.join(c, "trainer.pt")), "size mismatch: trainer.pt"),
+    "truncated weights": (lambda c: truncate(os.path.join(c, WEIGHTS)), f"size mismatch: {WEIGHTS}"),
+    "truncated extra": (lambda c: truncate(os.path.join(c, "ema.safetensors")), "size mismatch: ema.safetensors"),
+    "missing trainer.pt": (lambda c: os.remove(os.path.join(c, "trainer.pt")), "missing file trainer.pt"),
+    "missing weights": (lambda c: os.remove(os.path.join(c, WEIGHTS)), f"missing file {WEIGHTS}"),
+    "flipped byte": (lambda c: flip_a_byte(os.path.join(c, WEIGHTS)), f"checksum mismatch: {WEIGHTS}"),
+    "missing manifest, truncated trainer.pt": (
+        lambda c: (os.remove(os.path.join(c, "manifest.json")), truncate(os.path.join(c, "trainer.pt"))),
+        "unreadable trainer.pt"),
+    "missing manifest, truncated weights": (
+        lambda c: (os.remove(os.path.join(c, "manifest.json")), truncate(os.path.join(c, WEIGHTS))),
+        f"damaged file {WEIGHTS}"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_set_aside_and_resuming_twice_works(tmp_path, trained, damage):
+    model, optimizer = trained
+    ema = {"w": torch.ones(3)}
+    save(tmp_path, 1, trained, extra={"ema": ema})
+    for attempt in (1, 2):  # resume, train, crash-damage again, resume again
+        newest = save(tmp_path, 2, trained, extra={"ema": ema})
+        harm, reason = DAMAGE[damage]
+        harm(newest)
+        assert reason in checkpoint.verify(newest)
+        warnings = []
+        good = checkpoint.latest_checkpoint(str(tmp_path), log=warnings.append)
+        assert good.endswith("iter_000001") and len(warnings) == 1
+        assert "iter_000002" in warnings[0] and reason in warnings[0] and "\n" not in warnings[0]
+        aside = "iter_000002.damaged" + ("" if attempt == 1 else "-2")
+        assert os.path.isdir(tmp_path / "checkpoints" / aside) and not os.path.exists(newest)
+        assert checkpoint.load(good, model, model, optimizer, lora=False)["iteration"] == 1
+    assert checkpoint.latest_checkpoint(str(tmp_path), log=pytest.fail).endswith("iter_000001")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000001", "iter_000002.damaged",
+                                                              "iter_000002.damaged-2"]
+
+
+def test_save_sets_aside_a_folder_already_at_its_place(tmp_path, trained):
+    save(tmp_path, 1, trained)
+    os.remove(os.path.join(save(tmp_path, 2, trained), "trainer.pt"))  # damaged, but nobody ran latest_checkpoint
+    warnings = []
+    path = save(tmp_path, 2, trained, log=warnings.append)  # used to fail: OSError: Directory not empty
+    assert checkpoint.verify(path) is None and "missing file trainer.pt" in warnings[0]
+    path = save(tmp_path, 2, trained, log=warnings.append)  # a complete one is set aside too, never deleted
+    assert checkpoint.verify(path) is None and "complete" in warnings[1]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000001", "iter_000002", "iter_000002.damaged",
+                                                              "iter_000002.replaced"]
+
+
+def test_a_checkpoint_without_manifest_from_an_older_version_is_accepted(tmp_path, trained):
+    path = save(tmp_path, 1, trained)
+    os.remove(os.path.join(path, "manifest.json"))
+    assert checkpoint.verify(path) is None
+    shutil.rmtree(os.path.join(path, "transformer"))
+    assert checkpoint.verify(path).startswith("missing weights")
+
+
+def test_rotation_keeps_the_newest_and_never_a_newer_one(tmp_path, trained):
+    for it in (1, 2, 3, 4):
+        save(tmp_path, it, trained)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["iter_000003", "iter_000004"]
+    save(tmp_path, 2, trained)  # a save older than what is there removes nothing newer
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "iter_000002", "iter_000003", "iter_000004"]
+    save(tmp_path, 5, trained, keep=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["iter_000005"]
+
+
+def test_list_checkpoints_ignores_partial_and_damaged_folders(tmp_path):
+    for name in ("iter_000002", "iter_1000000", "iter_000003.tmp", "iter_000004.damaged", "iter_000004.damaged-2",
+                 "notes"):
+        os.makedirs(tmp_path / "checkpoints" / name)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["iter_000002",
+                                                                                          "iter_1000000"]
+    assert checkpoint.list_checkpoints(str(tmp_path / "elsewhere")) == []
+
+
+def test_resume_config_checks_still_work(tmp_path, trained):
+    path = save(tmp_path, 1, trained)
+    assert checkpoint.read_trainer_state(path)["config"] == {"seed": 0}
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 0}) is None
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 1}) == ("seed", 0, 1)
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+def test_metrics_are_strict_json_and_a_cut_line_is_skipped(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    checkpoint.append_metrics(path, {"iteration": 0, "a": 1.5, "b": float("nan"), "c": float("inf")})
+    with open(path, "a") as f:
+        f.write('{"iteration": 1, "a": 2')  # a crash mid-line
+    checkpoint.append_metrics(path, {"iteration": 1, "a": 2.0})
+    for line in open(path):
+        if line.startswith('{"iteration": 0') or line.endswith("2.0}\n"):
+            json.loads(line, parse_constant=pytest.fail)  # strict: no NaN / Infinity tokens
+    assert checkpoint.read_metrics(path) == [{"iteration": 0, "a": 1.5, "b": None, "c": None},
+                                             {"iteration": 1, "a": 2.0}]
+
+
+def test_truncate_metrics_keeps_rows_up_to_the_checkpoint_and_never_blocks(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as f:  # an older version's file: bare NaN, and a line cut short
+        f.write('{"iteration": 0, "a": NaN}\n{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3, "a"')
+    assert checkpoint.truncate_metrics(path, 2, log=pytest.fail) == [{"iteration": 0, "a": None}, {"iteration": 1},
+                                                                     {"iteration": 2}]
+    assert checkpoint.read_metrics(path) == [{"iteration": 0, "a": None}, {"iteration": 1}, {"iteration": 2}]
+    warnings = []
+    assert checkpoint.truncate_metrics(path, 5, log=warnings.append) == checkpoint.read_metrics(path)
+    assert "no row for iteration 5" in warnings[0]
+    os.remove(path)
+    assert checkpoint.truncate_metrics(path, 5, log=warnings.append) == []
+    assert "missing" in warnings[1] and len(warnings) == 2 and open(path).read() == ""
