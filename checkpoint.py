@@ -79,11 +79,11 @@ class Lock:
     """An exclusive hold on an output folder, from `lock_output`. A context manager; `release()` is idempotent."""
 
     def __init__(self, path, fd):
-        self.path, self._fd = path, fd
+        self.path, self._fd, self._owner = path, fd, os.getpid()
         atexit.register(self.release)  # a sys.exit outside any `with` still empties the file
 
     def release(self):
-        if self._fd is None:
+        if self._fd is None or os.getpid() != self._owner:  # a forked child must not unlock its parent's folder
             return
         os.ftruncate(self._fd, 0)  # empty = released cleanly, so the next run does not warn about a crash
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -352,6 +352,7 @@ def save(output_dir, iteration, model, transformer, optimizer, config, lora, pip
             log(f"warning: {folder} already existed ({problem or 'complete'}); set aside as {os.path.basename(aside)}")
         os.replace(tmp, folder)  # atomic: the checkpoint appears whole or not at all
         _fsync_dir(os.path.dirname(folder))
+        _fsync_dir(output_dir)  # holds the entry of checkpoints/ itself, new at the first save
         _rotate(output_dir, iteration, keep)
     _barrier()
     return folder

@@ -78,6 +78,18 @@ def test_a_second_process_is_refused_while_this_one_holds_and_a_clean_release_le
         pass
 
 
+def test_a_forked_child_cannot_release_its_parents_lock(tmp_path):
+    lock = checkpoint.lock_output(str(tmp_path))
+    child = os.fork()
+    if child == 0:  # as a data-loader worker would, on its way out
+        lock.release()
+        os._exit(0)
+    os.waitpid(child, 0)
+    with pytest.raises(checkpoint.LockedError):
+        checkpoint.lock_output(str(tmp_path))
+    lock.release()
+
+
 # ---------------------------------------------------------------- checkpoints written by save
 
 @pytest.fixture
