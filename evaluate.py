@@ -1,0 +1,597 @@
+"""Evaluate base and fine-tuned text-to-image models side by side: the paper's table, a grid, training curves.
+
+Every model (the base, and each `--checkpoint` as train.py saves it) generates one image per prompt and noise seed
+with the deterministic sampler (Euler ODE, eta = 0) from the same initial noise, at the checkpoint run's settings
+(steps, shift, guidance, resolution from its config.json unless a flag overrides them). Every metric of
+`--metrics` (a reward of rewards.py) scores every image. The table gives, per model and metric, the mean over all
+(prompt, seed) images and its standard error std / sqrt(n), in the paper's units (PickScore / 100).
+
+Noise: image (prompt p, seed s) starts from torch.Generator().manual_seed(1_000_000 + 1000 s + p), the noise of
+train.py's held-out evaluation, so `--seeds` equal to the run's `eval_seeds` reproduces its `eval/reward/*`.
+
+Run:
+    python evaluate.py --model tiny --checkpoint runs/tiny                # base vs trained, held-out tiny prompts
+    python evaluate.py --model flux --model-path FLUX.1-dev --checkpoint runs/flux \\
+        --metrics hps clip pickscore imagereward --hps-checkpoint HPS_v2.1_compressed.pt   # the paper's table
+    torchrun --nproc_per_node 8 evaluate.py --checkpoint runs/flux        # prompts sharded over 8 GPUs
+    python evaluate.py --plot runs/tiny runs/tiny_full                    # reward curves of one or more runs
+
+Outputs (in --output-dir): table.md, results.json (settings, means, standard errors, every score), grid.png (the
+first --grid-prompts prompts, one row per model), images/ with --save-images, curves.png with --plot.
+"""
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Annotated, Literal, Optional
+
+import torch
+import tyro
+
+import rewards
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Per model family: the training presets' rollout settings, the default prompts and metrics. A checkpoint's
+# config.json takes precedence over these; flags take precedence over both.
+PRESETS = {
+    "flux": dict(model_path="black-forest-labs/FLUX.1-dev", num_steps=16, shift=3.0, guidance=3.5, resolution=720,
+                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt",
+                 metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", num_steps=16, shift=3.0, guidance=4.5,
+                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt",
+                metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "tiny": dict(model_path="", num_steps=8, shift=3.0, guidance=3.5, resolution=32, max_sequence_length=16,
+                 prompt_file="prompts/tiny_eval.txt", metrics=["shapes"]),
+}
+SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length"]
+PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
+EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
+
+
+@dataclass
+class BaseArgs:
+    model: Optional[Literal["flux", "sd3", "tiny"]] = None
+    """Model family (default: the checkpoint run's). flux, sd3, or tiny (the built-in CPU model)."""
+    model_path: Optional[str] = None
+    """The base diffusers pipeline: a folder or hub id (default: the checkpoint run's, else the family's)."""
+    checkpoint: list[str] = field(default_factory=list)
+    """Checkpoints to compare with the base: a checkpoint folder (iter_XXXXXX) or a run folder (its newest)."""
+    base: bool = True
+    """Include the base model as the first row (--no-base leaves it out)."""
+    prompt_file: str = ""
+    """Prompts, one a line (default: prompts/hpdv2_test.txt for flux and sd3, prompts/tiny_eval.txt for tiny)."""
+    num_prompts: int = 0
+    """Evaluate only the first this many prompts; 0 = all."""
+    seeds: int = 1
+    """Noise seeds per prompt (n = prompts x seeds images per model)."""
+    metrics: list[str] = field(default_factory=list)
+    """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
+    hps clip pickscore imagereward; shapes for tiny)."""
+    num_steps: Optional[int] = None
+    """Sampling steps (default: the checkpoint run's)."""
+    shift: Optional[float] = None
+    """Time shift of the sigma schedule (default: the checkpoint run's)."""
+    guidance: Optional[float] = None
+    """FLUX guidance embedding / SD3 CFG scale (default: the checkpoint run's)."""
+    resolution: Optional[int] = None
+    """Image side in pixels (default: the checkpoint run's)."""
+    max_sequence_length: Optional[int] = None
+    """T5 tokens per prompt (default: the checkpoint run's)."""
+    batch_size: int = 8
+    """Images generated per transformer call."""
+    reward_batch_size: int = 16
+    """Images per metric call."""
+    mixed_precision: Literal["bf16", "no"] = "bf16"
+    """bf16 weights and autocast on CUDA; CPU always runs fp32."""
+    offload_text_encoders: bool = False
+    """Keep the text encoders on the CPU between prompt batches."""
+    output_dir: str = "runs/eval"
+    """Where table.md, results.json, grid.png (and images/, curves.png) are written."""
+    grid_prompts: int = 8
+    """Prompts (seed 0) shown in grid.png, one row per model; 0 = no grid."""
+    save_images: bool = False
+    """Also save every image as images/<model>/<prompt>_<seed>.png."""
+    tiny_cache: str = ".cache"
+    """Where --model tiny keeps its pre-trained base model."""
+    plot: list[str] = field(default_factory=list)
+    """Instead of evaluating: plot the train and eval rewards of these runs' metrics.jsonl into curves.png."""
+
+
+def _reward_path_fields():
+    """One flag per path field of rewards.py (their help and defaults; the evaluation's CLIP defaults to -384)."""
+    return [(name, Annotated[str, tyro.conf.arg(help=help_)], field(default=EVAL_PATH_DEFAULTS.get(name, default)))
+            for name, default, help_ in rewards.path_fields()]
+
+
+Args = dataclasses.make_dataclass("Args", _reward_path_fields(), bases=(BaseArgs,))
+
+
+def fail(message: str):
+    """Bad input: one line (from the first rank only), exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---------------------------------------------------------------- inputs: checkpoints, settings, prompts
+
+
+def is_checkpoint(folder: str) -> bool:
+    return (os.path.isfile(os.path.join(folder, "lora", "pytorch_lora_weights.safetensors"))
+            or os.path.isfile(os.path.join(folder, "transformer", "config.json")))
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder as given, or a run folder's newest complete iter_* (not .tmp, not .damaged)."""
+    if is_checkpoint(path):
+        return path
+    folder = os.path.join(path, "checkpoints")
+    found = sorted(name for name in os.listdir(folder) if name.startswith("iter_") and not name.endswith(".tmp")
+                   and ".damaged" not in name and is_checkpoint(os.path.join(folder, name))) \
+        if os.path.isdir(folder) else []
+    if not found:
+        fail(f"--checkpoint '{path}' is neither a checkpoint (lora/ or transformer/ inside) nor a run folder with a "
+             f"complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
+    return os.path.join(folder, found[-1])
+
+
+def run_config(checkpoint: str) -> dict:
+    """The training run's config.json (every flag), two levels above its checkpoint; {} when absent."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.json")
+    if not os.path.isfile(path):
+        print(f"warning: no config.json for {checkpoint}; its settings come from the flags and the model family")
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        fail(f"{path} cannot be read ({type(err).__name__}); fix it or pass every setting as a flag")
+
+
+def settings_for(args, config: dict, fallback: dict) -> dict:
+    """Each sampling setting: the flag if given, else the run's config.json, else `fallback` (the first run's),
+    else the model family's preset."""
+    model = args.model or config.get("model") or fallback.get("model")
+    if model is None:
+        fail("no model: pass --model flux|sd3|tiny, or a --checkpoint whose run folder holds config.json")
+    out = {"model": model}
+    for key in SETTINGS[1:]:
+        flag = getattr(args, key)
+        out[key] = flag if flag is not None else config.get(key, fallback.get(key, PRESETS[model][key]))
+    return out
+
+
+def check_settings(s: dict, where: str):
+    multiple = 4 if s["model"] == "tiny" else 16
+    if s["num_steps"] < 1 or s["max_sequence_length"] < 1 or not s["guidance"] >= 0 or not s["shift"] > 0:
+        fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
+    if s["resolution"] < multiple or s["resolution"] % multiple:
+        fail(f"{where}: resolution {s['resolution']} is not a positive multiple of {multiple}")
+
+
+def read_prompts(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        from prompts.hpdv2 import how_to_write
+
+        hint = how_to_write(path)
+        fail(f"prompt file '{path}' not found; " + (hint if hint else "pass --prompt-file, one prompt a line"))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        fail(f"prompt file '{path}' holds no prompts")
+    return prompts
+
+
+def check_args(args):
+    for name in ("num_prompts", "grid_prompts"):
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} is negative; use 0 (all / none) or more")
+    for name in ("seeds", "batch_size", "reward_batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)}: use 1 or more")
+    unknown = [m for m in args.metrics if m not in rewards.REWARDS]
+    if unknown:
+        fail(f"unknown metric '{unknown[0]}'; known: {', '.join(rewards.REWARDS)}")
+    if len(set(args.metrics)) != len(args.metrics):
+        fail(f"--metrics {' '.join(args.metrics)} names a metric twice")
+    if not args.base and not args.checkpoint:
+        fail("nothing to evaluate: --no-base needs at least one --checkpoint")
+
+
+@dataclass
+class Row:
+    """One model of the table: a name, its checkpoint folder (None for the base) and its sampling settings."""
+    name: str
+    checkpoint: Optional[str]
+    settings: dict
+    config: dict
+
+
+def plan_rows(args) -> list[Row]:
+    """Resolve every checkpoint and its settings; the base samples at the first checkpoint run's settings."""
+    rows = []
+    for path in args.checkpoint:
+        folder = resolve_checkpoint(path)
+        config = run_config(folder)
+        run_name = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(folder))))
+        name = f"{run_name}/{os.path.basename(folder)}"
+        rows.append(Row(name, folder, settings_for(args, config, {}), config))
+    first = rows[0].settings if rows else {}
+    if args.base:
+        rows.insert(0, Row("base", None, settings_for(args, {}, first), {}))
+    bases = {(r.settings["model"], r.settings["model_path"]) for r in rows}
+    if len(bases) > 1:
+        fail(f"the checkpoints come from different base models {sorted(bases)}; evaluate them separately or pass "
+             f"--model and --model-path")
+    for row in rows:
+        check_settings(row.settings, row.name)
+    seen = {}
+    for row in rows:  # two runs' checkpoints may share a name: number them
+        seen[row.name] = seen.get(row.name, 0) + 1
+        if seen[row.name] > 1:
+            row.name += f" ({seen[row.name]})"
+    return rows
+
+
+# ---------------------------------------------------------------- models
+
+
+def load_base(settings: dict, args, device, dtype):
+    """The base pipeline's adapter (models.py); the tiny family's empty path means its cached pre-trained model."""
+    import models
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()  # one bar: ours
+    transformers_logging.disable_progress_bar()
+    path = settings["model_path"]
+    if settings["model"] == "tiny" and not path:
+        import tiny
+
+        if os.environ.get("RANK", "0") == "0":
+            path = tiny.ensure_pretrained(args.tiny_cache)
+        _barrier()
+        path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
+    try:
+        return models.ADAPTERS[settings["model"]].load(
+            path, device, dtype, transformer_dtype=dtype, guidance=settings["guidance"],
+            max_sequence_length=settings["max_sequence_length"], offload_text_encoders=args.offload_text_encoders)
+    except models.ModelLoadError as err:
+        fail(str(err))
+
+
+def lora_scale(lora_file: str, config: dict) -> float:
+    """LoRA files saved without adapter metadata load with alpha = rank; a run trained with another alpha needs
+    its scale alpha / rank applied at load."""
+    from safetensors import safe_open
+
+    with safe_open(lora_file, "pt") as f:
+        if "lora_adapter_metadata" in (f.metadata() or {}):
+            return 1.0
+    rank, alpha = config.get("lora_rank") or 0, config.get("lora_alpha") or 0
+    return alpha / rank if rank and alpha else 1.0
+
+
+class CheckpointWeights:
+    """Context manager giving the transformer to sample with: the base one carrying the checkpoint's LoRA
+    (removed on exit), or a full fine-tuned transformer loaded beside the base (freed on exit)."""
+
+    def __init__(self, adapter, row: Row, dtype):
+        self.adapter, self.row, self.dtype, self.full = adapter, row, dtype, None
+
+    def __enter__(self):
+        base, folder = self.adapter.transformer, self.row.checkpoint
+        if folder is None:
+            return base
+        if os.path.isdir(os.path.join(folder, "transformer")):
+            self.full = type(base).from_pretrained(os.path.join(folder, "transformer"), torch_dtype=self.dtype)
+            return self.full.to(self.adapter.device).eval().requires_grad_(False)
+        lora_file = os.path.join(folder, "lora", "pytorch_lora_weights.safetensors")
+        base.load_lora_adapter(lora_file, prefix="transformer", adapter_name="checkpoint")
+        scale = lora_scale(lora_file, self.row.config)
+        if scale != 1.0:
+            base.set_adapters(["checkpoint"], weights=[scale])
+        return base
+
+    def __exit__(self, *exc):
+        if self.row.checkpoint is not None and self.full is None:
+            self.adapter.transformer.unload_lora()  # back to the base weights
+        self.full = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- sampling and scoring
+
+
+def noise_generator(prompt_index: int, seed_index: int) -> torch.Generator:
+    """The noise of image (p, s): train.py's held-out evaluation uses the same seeds."""
+    return torch.Generator().manual_seed(1_000_000 + 1000 * seed_index + prompt_index)
+
+
+@torch.no_grad()
+def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_size, on_images, bar):
+    """Sample every item (prompt index, seed index) with the ODE sampler and score it: {metric: [score]}."""
+    from sampler import ode_sample, sigma_schedule
+
+    sigmas = sigma_schedule(settings["num_steps"], settings["shift"])  # (N + 1,)
+    resolution = settings["resolution"]
+    scores = {name: [] for name in metric_fns}
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        texts = [prompts[p] for p, _ in chunk]
+        cond = adapter.encode(texts)
+        noise = adapter.noise([noise_generator(p, s) for p, s in chunk], resolution)  # (b, ...)
+        velocity = lambda x, sigma, idx: adapter.velocity(module, cond, x, sigma, idx, resolution)
+        x0, _, _ = ode_sample(velocity, noise, sigmas, max_batch=batch_size)
+        images = adapter.decode(x0, resolution)  # (b, 3, H, W) in [0, 1]
+        for name, fn in metric_fns.items():
+            scores[name] += fn(images, texts).cpu().tolist()
+        on_images(start, images)
+        bar.update(1)
+    return scores
+
+
+def summarise(values, scale=1.0) -> dict:
+    """Mean and standard error (unbiased std / sqrt(n)) of the finite values, times `scale`."""
+    finite = torch.tensor([v for v in values if math.isfinite(v)], dtype=torch.float64) * scale
+    n = finite.numel()
+    mean = float(finite.mean()) if n else float("nan")
+    stderr = float(finite.std() / math.sqrt(n)) if n > 1 else float("nan")
+    return {"mean": mean, "stderr": stderr, "n": n, "dropped": len(values) - n, "scale": scale}
+
+
+def markdown_table(results: list[dict], metrics: list[str]) -> str:
+    """One row per model, one column per metric: mean ± standard error in the paper's units."""
+    header = [f"{m} (/100)" if PAPER_SCALE.get(m) == 0.01 else m for m in metrics]
+    lines = ["| model | " + " | ".join(header) + " |", "|---|" + "---|" * len(metrics)]
+    for row in results:
+        cells = [f"{row['metrics'][m]['mean']:.4f} ± {row['metrics'][m]['stderr']:.4f}" for m in metrics]
+        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- distributed: one short block keyed on RANK
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def setup_distributed(args):
+    """(rank, world, device); under torchrun a process group (nccl on GPUs, gloo on CPU)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("RANK", -1)) == -1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=60))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def gather(obj, world):
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def save_grid(rows_images: list, names: list[str], path: str):
+    """One row of images per model, the model's name on the left."""
+    from PIL import Image, ImageDraw
+    from torchvision.utils import make_grid
+
+    strips = [make_grid(images, nrow=len(images), padding=2, pad_value=1.0) for images in rows_images]
+    label_width = 8 + 6 * max(len(n) for n in names)
+    height = sum(s.shape[1] for s in strips)
+    canvas = Image.new("RGB", (label_width + max(s.shape[2] for s in strips), height), "white")
+    draw, top = ImageDraw.Draw(canvas), 0
+    for strip, name in zip(strips, names):
+        array = (strip.permute(1, 2, 0) * 255).round().byte().numpy()  # (H, W, 3)
+        canvas.paste(Image.fromarray(array), (label_width, top))
+        draw.text((4, top + strip.shape[1] // 2 - 6), name, fill="black")
+        top += strip.shape[1]
+    canvas.save(path)
+
+
+def write_outputs(args, results, metrics, items, prompt_file, grid_images):
+    os.makedirs(args.output_dir, exist_ok=True)
+    table = markdown_table(results, metrics)
+    with open(os.path.join(args.output_dir, "table.md"), "w") as f:
+        f.write(table + "\n")
+    payload = {"prompt_file": prompt_file, "seeds": args.seeds, "num_images": len(items), "metrics": metrics,
+               "items": items, "rows": results}
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump(payload, f, indent=1, allow_nan=False, default=str)
+    if grid_images:
+        save_grid(grid_images, [r["name"] for r in results], os.path.join(args.output_dir, "grid.png"))
+    return table
+
+
+def _json_safe(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def evaluate(args):
+    """Sample and score every model over this rank's share of the items; rank 0 writes the table and files."""
+    check_args(args)
+    rows = plan_rows(args)
+    preset = PRESETS[rows[0].settings["model"]]
+    metrics = args.metrics or preset["metrics"]
+    prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
+    prompts = read_prompts(prompt_file)[: args.num_prompts or None]
+    items = [(p, s) for s in range(args.seeds) for p in range(len(prompts))]  # seed 0 of every prompt first
+    rank, world, device = setup_distributed(args)
+    dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
+    paths = {name: getattr(args, name) for name, _, _ in rewards.path_fields()}
+    try:  # the metrics first: a missing reward file must not cost a model load
+        metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths) for m in metrics}
+    except rewards.RewardError as err:
+        fail(str(err))
+    adapter = load_base(rows[0].settings, args, device, dtype)
+    grid_items = sorted(range(min(args.grid_prompts, len(prompts))))
+    results, grid_images = score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank, world)
+    if rank == 0:
+        table = write_outputs(args, results, metrics, items, prompt_file, grid_images if grid_items else [])
+        print(f"{len(prompts)} prompts x {args.seeds} seeds from {prompt_file}; mean ± standard error:")
+        print(table)
+        print(f"wrote {os.path.join(args.output_dir, 'results.json')}, table.md" + (", grid.png" if grid_items else ""))
+    return results
+
+
+def score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank, world):
+    """Each model in turn samples and scores this rank's items (every world-th); rank 0 gathers the scores and
+    the grid's images. Returns (per-model results, per-model grid images) on rank 0, ([], []) elsewhere."""
+    from tqdm import tqdm
+
+    mine = list(range(rank, len(items), world))  # this rank's item indices
+    bar = tqdm(total=len(rows) * -(-len(mine) // args.batch_size), disable=rank != 0, desc="evaluate",
+               dynamic_ncols=True)
+    results, grid_images = [], []
+    for row in rows:
+        adapter.guidance = row.settings["guidance"]
+        grid = {}
+
+        def keep(start, images, row=row, grid=grid):
+            for offset, image in enumerate(images):
+                index = mine[start + offset]
+                if index in grid_items:
+                    grid[index] = (image.cpu() * 255).round().byte()  # (3, H, W) uint8: small to gather
+                if args.save_images:
+                    save_image(args.output_dir, row.name, items[index], image)
+
+        with CheckpointWeights(adapter, row, adapter.dtype) as module:
+            scores = evaluate_row(adapter, module, row.settings, [items[i] for i in mine], prompts, metric_fns,
+                                  args.batch_size, keep, bar)
+        shares = gather({"indices": mine, "scores": scores, "grid": grid}, world)
+        if rank == 0:
+            results.append(combine(row, shares, list(metric_fns), len(items)))
+            grid_images.append([grid_of(shares)[i].float() / 255 for i in grid_items])
+    bar.close()
+    return results, grid_images
+
+
+def grid_of(shares):
+    return {i: image for share in shares for i, image in share["grid"].items()}
+
+
+def combine(row: Row, shares: list, metrics: list[str], total: int) -> dict:
+    """Every rank's scores back in item order, then each metric's summary in the paper's units."""
+    per_item = {m: [float("nan")] * total for m in metrics}
+    for share in shares:
+        for m in metrics:
+            for index, value in zip(share["indices"], share["scores"][m]):
+                per_item[m][index] = value
+    summary = {m: summarise(per_item[m], PAPER_SCALE.get(m, 1.0)) for m in metrics}
+    for m, s in summary.items():
+        if s["dropped"]:
+            print(f"warning: {row.name}: {s['dropped']} of {total} {m} scores were not finite and are left out")
+    return {"name": row.name, "checkpoint": row.checkpoint, "settings": row.settings,
+            "metrics": {m: {k: _json_safe(v) for k, v in s.items()} for m, s in summary.items()},
+            "scores": {m: [_json_safe(v) for v in per_item[m]] for m in metrics}}
+
+
+def save_image(output_dir, row_name, item, image):
+    from torchvision.utils import save_image as write_png
+
+    folder = os.path.join(output_dir, "images", row_name.replace("/", "_").replace(" ", "_"))
+    os.makedirs(folder, exist_ok=True)
+    write_png(image, os.path.join(folder, f"{item[0]:05d}_{item[1]}.png"))
+
+
+# ---------------------------------------------------------------- training curves
+
+
+def read_metrics(run: str) -> list[dict]:
+    """A run's metrics.jsonl rows sorted by iteration, the last row of each iteration kept (a resume may repeat
+    one), lines cut by a crash skipped."""
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.isfile(path):
+        fail(f"--plot: '{path}' not found; pass run folders written by train.py")
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                rows[int(row["iteration"])] = row
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    return [rows[i] for i in sorted(rows)]
+
+
+def reward_curves(rows: list[dict]) -> dict:
+    """{key: (iterations, cumulative NFE, values)} for every train/reward/<name> and eval/reward/<name>; the NFE
+    of a row is the rollout's forwards up to and including that iteration (perf/nfe summed)."""
+    curves, nfe = {}, 0
+    for row in rows:
+        nfe += row.get("perf/nfe") or 0
+        for key, value in row.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"]) and value is not None \
+                    and math.isfinite(value):
+                its, nfes, values = curves.setdefault(key, ([], [], []))
+                its.append(row["iteration"]), nfes.append(nfe), values.append(value)
+    return curves
+
+
+def plot_runs(runs: list[str], path: str):
+    """Train (solid) and eval (dashed, dots) rewards of every run against iteration and cumulative NFE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_iteration, by_nfe) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        for key, (its, nfes, values) in sorted(reward_curves(read_metrics(run)).items()):
+            split, _, name = key.split("/")
+            style = dict(linestyle="-") if split == "train" else dict(linestyle="--", marker="o", markersize=3)
+            label = f"{os.path.basename(os.path.normpath(run))}: {split} {name}"
+            by_iteration.plot(its, values, label=label, **style)
+            by_nfe.plot(nfes, values, label=label, **style)
+    by_iteration.set_xlabel("iteration")
+    by_nfe.set_xlabel("cumulative rollout NFE (image-forwards)")
+    for axis in (by_iteration, by_nfe):
+        axis.set_ylabel("reward")
+        axis.grid(alpha=0.3)
+    by_nfe.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
+    if args.plot:
+        return plot_runs(args.plot, os.path.join(args.output_dir, "curves.png"))
+    results = evaluate(args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()
