@@ -120,16 +120,17 @@ def checkpoint_keeping_kernels(module, *args):
         context_fn=lambda: (contextlib.nullcontext(), sdpa_kernel(kernels)))
 
 
-def compile_blocks(transformer):
+def compile_blocks(transformer, backend: str = "inductor"):
     """Regional compilation: torch.compile each repeated block (FLUX's double- and single-stream blocks, SD3's
     joint blocks), not the whole model. The blocks of a kind share one compiled graph, so compiling takes seconds to
     a minute instead of many, for nearly the speed of compiling the whole model. Graphs are built at the first call
-    of each grad mode and shape."""
+    of each grad mode and shape. `backend` "aot_eager" traces the same graphs without generating kernels: a quick
+    check of the plumbing on a CPU, where inductor spends minutes on even the tiny model."""
     if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks()
+        transformer.compile_repeated_blocks(backend=backend)
     else:
         for block in transformer.transformer_blocks:
-            block.compile()
+            block.compile(backend=backend)
 
 
 class Adapter:
@@ -137,7 +138,8 @@ class Adapter:
 
     attention_backend:          SDPA kernels of the update's forward and backward (one of ATTENTION_BACKENDS)
     rollout_attention_backend:  SDPA kernels of the no-grad forwards (rollout, evaluation)
-    compile:                    regional compilation of the transformer's repeated blocks at the first call
+    compile:                    regional compilation of the transformer's repeated blocks at the first call:
+                                False, True (inductor) or a torch.compile backend name (see `compile_blocks`)
     """
 
     pipeline_class = None
@@ -229,7 +231,7 @@ class Adapter:
         if getattr(t, "gradient_checkpointing", False) and t._gradient_checkpointing_func is not checkpoint_keeping_kernels:
             t.enable_gradient_checkpointing(checkpoint_keeping_kernels)
         if self.compile and not self._compiled:
-            compile_blocks(t)
+            compile_blocks(t, "inductor" if self.compile is True else self.compile)
             self._compiled = True
 
     def fp32_weights(self) -> bool:

@@ -1,0 +1,191 @@
+"""The GPU-correctness levers on CPU: the attention-kernel choice per phase, the gradient self-check (passing on a
+right gradient, failing on a simulated broken kernel), the recompute of gradient checkpointing under the forward's
+kernels, regional compilation, LoRA setup, and gpu_check.py's small config end to end.
+
+The broken kernel is a real fault inside the model, not a mock: an attention processor whose backward sends the
+gradient to the wrong features whenever a kernel other than math may run, as cuDNN attention's backward did on an
+H200, and is right when the math kernel is forced (the reference's path).
+
+Run: python -m pytest -q tests/test_gpu_check.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from torch.nn.attention import SDPBackend
+
+import models
+import tiny
+from sampler import sde_step, sigma_schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESOLUTION = 32
+
+
+def make_adapter(dtype=torch.float32, lora=True, **options):
+    """A random tiny FLUX pipeline behind a FluxAdapter, with LoRA on the trainer's targets."""
+    torch.manual_seed(0)
+    adapter = models.FluxAdapter(tiny.build_pipeline(seed=0), "cpu", dtype, max_sequence_length=16, **options)
+    if lora:
+        models.add_lora(adapter.transformer, rank=4, alpha=0, feed_forward=True)
+    return adapter
+
+
+def update_loss(adapter):
+    """The update's loss on one sample, as a closure: -A log pi(x' | x) at ratio 1 (the clipped loss's gradient)."""
+    cond = adapter.encode(["a red circle on the left"])
+    latents = adapter.noise([torch.Generator().manual_seed(1)], RESOLUTION)  # (1, L, 4C)
+    sigmas, index = sigma_schedule(4, 3.0), torch.zeros(1, dtype=torch.long)
+    velocity = lambda: adapter.velocity(adapter.transformer, cond, latents, sigmas[1:2], index, RESOLUTION)
+    with torch.no_grad():
+        noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2))
+        next_latents, _ = sde_step(latents, velocity(), sigmas, 1, 0.7, noise=noise)
+    return lambda: -(1.3 * sde_step(latents, velocity(), sigmas, 1, 0.7, next_latents=next_latents)[1]).mean()
+
+
+class WrongBackward(torch.autograd.Function):
+    """Identity forward; a backward that sends the gradient to the wrong features, as a faulty kernel's would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.flip(-1)
+
+
+class BrokenKernelProcessor(FluxAttnProcessor):
+    """FLUX attention whose backward is wrong unless the math kernel is forced."""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        if models.enabled_sdpa_backends() == [SDPBackend.MATH]:
+            return out
+        return tuple(map(WrongBackward.apply, out)) if isinstance(out, tuple) else WrongBackward.apply(out)
+
+
+class RecordingProcessor(FluxAttnProcessor):
+    """FLUX attention that records (grad enabled, kernels allowed) at every call, recomputes included."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __call__(self, *args, **kwargs):
+        self.log.append((torch.is_grad_enabled(), models.enabled_sdpa_backends()))
+        return super().__call__(*args, **kwargs)
+
+
+def test_kernel_choice():
+    cuda = lambda name: models.sdpa_backends(name, "cuda")
+    assert cuda("auto") == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert SDPBackend.CUDNN_ATTENTION not in cuda("auto")
+    assert cuda("cudnn") == [SDPBackend.CUDNN_ATTENTION] and cuda("math") == [SDPBackend.MATH]
+    assert models.sdpa_backends("math", "cpu") == [SDPBackend.MATH]
+    assert all(models.sdpa_backends(name, "cpu") is None for name in ("auto", "flash", "efficient", "cudnn"))
+    with pytest.raises(ValueError, match="choose one of auto, flash"):
+        models.validate_attention_backend("xformers")
+
+
+def test_cuda_only_kernel_falls_back_on_cpu_with_one_note(capsys):
+    adapter = make_adapter(attention_backend="cudnn", rollout_attention_backend="efficient")
+    assert capsys.readouterr().out.count("note: attention backend cudnn and efficient needs CUDA") == 1
+    assert torch.isfinite(update_loss(adapter)())
+
+
+def test_each_phase_runs_under_its_kernels_and_the_recompute_keeps_them():
+    adapter = make_adapter(rollout_attention_backend="math")
+    log = []
+    adapter.transformer.set_attn_processor(RecordingProcessor(log))
+    loss_fn = update_loss(adapter)  # one no-grad forward (the stored sample)
+    assert log and all(kernels == [SDPBackend.MATH] for grad, kernels in log if not grad)
+    log.clear()
+    loss_fn().backward()
+    assert log and all(grad and SDPBackend.FLASH_ATTENTION in kernels for grad, kernels in log)
+    # gradient checkpointing: the backward recomputes each block, under the forward's kernels (math here)
+    adapter.transformer.enable_gradient_checkpointing()
+    log.clear()
+    with adapter.reference_mode():
+        loss_fn().backward()
+    blocks = len(adapter.transformer.transformer_blocks) + len(adapter.transformer.single_transformer_blocks)
+    assert len(log) == 2 * blocks and all(kernels == [SDPBackend.MATH] for _, kernels in log)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_check_passes_on_the_right_gradient(dtype):
+    adapter = make_adapter(dtype)
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    result = adapter.check_gradient(update_loss(adapter), params)
+    assert result.ok, result.message
+    assert result.cosine > 0.9999 and result.relative_error < 1e-2 and result.norm > 0
+    assert (result.fp32_cosine > 0.9) if dtype == torch.bfloat16 else result.fp32_cosine != result.fp32_cosine
+    assert all(p.grad is None for p in params) and all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradient_check_fails_on_a_broken_kernel(checkpointing):
+    adapter = make_adapter()
+    adapter.transformer.set_attn_processor(BrokenKernelProcessor())
+    if checkpointing:  # the reference stays right only if the recompute keeps the math kernel
+        adapter.transformer.enable_gradient_checkpointing()
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    result = adapter.check_gradient(update_loss(adapter), params)
+    assert not result.ok and result.cosine < 0.9
+    assert "cause: the attention kernel" in result.message and "fix: --attention-backend math" in result.message
+    assert all(p.grad is None for p in params)
+
+
+def test_gradient_check_names_precision_when_only_fp32_disagrees():
+    """A bf16 run on fp32 weights whose gradient is far from fp32's (a tolerance no bf16 run can meet)."""
+    adapter = make_adapter(torch.bfloat16)
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    result = adapter.check_gradient(update_loss(adapter), params, min_fp32_cosine=0.9999)
+    assert not result.ok and result.cosine > 0.99
+    assert "cause: bf16 precision" in result.message and "fix: --mixed-precision no" in result.message
+
+
+def test_gradient_check_bounds_the_parameters_it_copies():
+    adapter = make_adapter()
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    bound = params[0].numel() + params[1].numel()  # a LoRA's A and B (A's gradient is 0 while B is 0)
+    result = models.check_gradient(update_loss(adapter), params, adapter.reference_mode, max_numel=bound)
+    assert result.ok and f"over {bound:,} gradient elements" in result.message
+
+
+def test_regional_compilation_gives_the_same_velocity_and_gradient():
+    """aot_eager traces the same block graphs as inductor without generating kernels (inductor takes minutes here)."""
+    eager, compiled = make_adapter(), make_adapter(compile="aot_eager")
+    for adapter in (eager, compiled):
+        adapter.transformer.enable_gradient_checkpointing()
+    grads = []
+    for adapter in (eager, compiled):
+        loss_fn = update_loss(adapter)
+        loss_fn().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in adapter.transformer.parameters() if p.grad is not None]))
+    assert compiled.transformer.transformer_blocks[0]._compiled_call_impl is not None
+    assert eager.transformer.transformer_blocks[0]._compiled_call_impl is None
+    cond = eager.encode(["a blue square on the top"])
+    latents = eager.noise([torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)], RESOLUTION)
+    sigma, index = torch.tensor([0.9, 0.4]), torch.zeros(2, dtype=torch.long)
+    with torch.no_grad():
+        v = [a.velocity(a.transformer, cond, latents, sigma, index, RESOLUTION) for a in (eager, compiled)]
+    torch.testing.assert_close(v[1], v[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
+
+
+def test_add_lora_keeps_the_frozen_base_and_trains_fp32_lora():
+    adapter = make_adapter(lora=False)
+    adapter.transformer.to(torch.bfloat16)
+    models.add_lora(adapter.transformer, rank=4, alpha=8, feed_forward=False)
+    trained = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
+    frozen = [p for p in adapter.transformer.parameters() if not p.requires_grad]
+    assert trained and all("lora_" in n and p.dtype == torch.float32 for n, p in trained.items())
+    assert all(p.dtype == torch.bfloat16 for p in frozen)
+    assert not any("ff." in n or "proj_mlp" in n for n in trained)
+    assert any("to_add_out" in n for n in trained)
