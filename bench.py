@@ -8,10 +8,9 @@
   3. Learning per unit of compute on the tiny model: held-out eval reward against cumulative NFE and wall time for
      G2RPO (granularities {1, 2, 3}), G2RPO without multi-granularity ({1}) and the full-SDE baseline, at equal
      NFE budgets, over seeds; a table and a PNG plot.
-  4. GPU only: a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA: seconds per phase,
-     peak memory and achieved TFLOP/s of the rollout forwards. `--gpu-config small` runs it on CPU for a check.
+The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from gpu_check.py.
 
-Run:  python bench.py            (parts 1-3, CPU, about 10 minutes)
+Run:  python bench.py            (parts 1-3, CPU)
       python bench.py --quick    (every part, shortened, under 2 minutes)
 """
 import json
@@ -19,12 +18,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import tyro
 
-from sampler import Counter, granular_schedule, rollout_full_sde, rollout_g2rpo, sde_step, sigma_schedule
+from sampler import rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
 
 
 
@@ -32,7 +29,7 @@ from sampler import Counter, granular_schedule, rollout_full_sde, rollout_g2rpo,
 class Args:
     quick: bool = False
     """A shortened run of every part (what the tests run)."""
-    parts: tuple[int, ...] = (1, 2, 3, 4)
+    parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
     seeds: int = 3
     """Training seeds per method in part 3."""
@@ -42,38 +39,6 @@ class Args:
     """Where part 3's runs, its table (JSON) and plot go."""
     tiny_cache: str = ".cache"
     """The tiny model's cache (see train.py --tiny-cache)."""
-    gpu_config: Literal["flux", "small"] = "flux"
-    """Part 4: the FLUX.1-dev-sized transformer, or a small one (runs on CPU, to check the code)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the reference code's rollout structure, same math as sampler.rollout_g2rpo
-# ---------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def reference_rollout(velocity_fn, noise, sigmas, group_size, sde_steps, granularities, eta, generators):
-    """Batch-1 forwards; the SDE-step forward recomputed for every member; each granularity's completion run on its
-    own. Returns final latents (B, J, K, G, ...) and the Counter. Draws the same noise as `rollout_g2rpo`."""
-    counter = Counter(velocity_fn, max_batch=1)
-    B, shape = noise.shape[0], noise.shape[1:]
-    finals = torch.zeros(B, len(granularities), len(sde_steps), group_size, *shape)
-    for b in range(B):
-        idx = torch.tensor([b], device=noise.device)
-        anchor = [noise[b : b + 1].float()]
-        for i in range(len(sigmas) - 1):
-            v = counter(anchor[i], sigmas[i : i + 1].to(noise.device), idx)
-            anchor.append(sde_step(anchor[i], v, sigmas, i, 0.0)[0])
-        for ki, k in enumerate(sde_steps):
-            eps = torch.randn((group_size, *shape), generator=generators[b]).to(noise.device)
-            for i in range(group_size):
-                v = counter(anchor[k], sigmas[k : k + 1].to(noise.device), idx)  # recomputed per member
-                x_next, _ = sde_step(anchor[k], v, sigmas, k, eta, noise=eps[i : i + 1])
-                for j, g in enumerate(granularities):
-                    sched = granular_schedule(sigmas, k, g)[k + 1 :].to(noise.device)
-                    x = x_next
-                    for s in range(len(sched) - 1):
-                        x = x + (sched[s + 1] - sched[s]) * counter(x, sched[s : s + 1], idx)
-                    finals[b, j, ki, i] = x[0]
-    return finals, counter
 
 
 def zero_velocity(x, sigma, idx):
@@ -87,15 +52,16 @@ def part1():
     rows = []
     for grans in ([1, 2], [1, 2, 3], [1]):
         sigmas, gens = sigma_schedule(16, 3.0), [torch.Generator().manual_seed(0)]
-        ours = rollout_g2rpo(zero_velocity, torch.zeros(1, 4), sigmas, 12, list(range(8)), grans, 0.7, gens, 4096)
-        _, ref = reference_rollout(zero_velocity, torch.zeros(1, 4), sigmas, 12, list(range(8)), grans, 0.7,
-                                   [torch.Generator().manual_seed(0)])
+        kw = dict(group_size=12, sde_steps=list(range(8)), granularities=grans, eta=0.7)
+        ours = rollout_g2rpo(zero_velocity, torch.zeros(1, 4), sigmas, gens, **kw, max_batch=4096)
+        ref = rollout_g2rpo_reference(zero_velocity, torch.zeros(1, 4), sigmas, [torch.Generator().manual_seed(0)], **kw)
         label = f"G 12, N 16, M 0..7, Lambda {set(grans)}"
         rows.append(("G2RPO reference code", label, ref.nfe, ref.calls, 8))
         rows.append(("G2RPO, this project", label, ours.nfe, ours.calls, 8))
     for name, G, N, K in [("DanceGRPO-style full SDE", 12, 16, 9), ("Flow-GRPO-style full SDE", 24, 6, 5)]:
-        full = rollout_full_sde(zero_velocity, torch.zeros(1, 4), sigma_schedule(N, 3.0), G, list(range(K)), 0.7,
-                                [torch.Generator().manual_seed(0)], 4096)
+        full = rollout_full_sde(zero_velocity, torch.zeros(1, 4), sigma_schedule(N, 3.0),
+                                [torch.Generator().manual_seed(0)], group_size=G, sde_steps=list(range(K)), eta=0.7,
+                                max_batch=4096)
         rows.append((name, f"G {G}, N {N}, {K} steps trained", full.nfe, full.calls, G * K))
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:,} | {r[3]:,} | {r[4]} |")
@@ -127,7 +93,7 @@ def part2(args):
     velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, res)
     params = list(adapter.transformer.parameters())
     state = {k: v.clone() for k, v in adapter.transformer.state_dict().items()}
-    results = {}
+    results, kw = {}, dict(group_size=G, sde_steps=steps, granularities=grans, eta=0.7)
     for mode in ("batched", "reference"):
         adapter.transformer.load_state_dict(state)
         optimizer = torch.optim.AdamW(params, lr=0.0)
@@ -137,14 +103,14 @@ def part2(args):
         if mode == "reference":  # our rollout on the same noise, untimed: the update's input and a math check
             check_gens = new_gens()
             adapter.noise(check_gens, res)
-            rollout = rollout_g2rpo(velocity, noise, sigmas, G, steps, grans, 0.7, check_gens, 512)
+            rollout = rollout_g2rpo(velocity, noise, sigmas, check_gens, **kw, max_batch=512)
         t0 = time.time()
         if mode == "batched":
-            rollout = rollout_g2rpo(velocity, noise, sigmas, G, steps, grans, 0.7, gens, max_batch=512)
+            rollout = rollout_g2rpo(velocity, noise, sigmas, gens, **kw, max_batch=512)
             finals, nfe = rollout.final_latents, rollout.nfe
         else:
-            finals, counter = reference_rollout(velocity, noise, sigmas, G, steps, grans, 0.7, gens)
-            nfe = counter.nfe
+            plain = rollout_g2rpo_reference(velocity, noise, sigmas, gens, **kw)
+            finals, nfe = plain.final_latents, plain.nfe
         t1 = time.time()
         flat = finals.flatten(0, 3)
         chunk = 64 if mode == "batched" else 1
@@ -154,13 +120,13 @@ def part2(args):
         scores = torch.cat([tiny.shape_reward(images[i : i + chunk], labels[i : i + chunk])
                             for i in range(0, len(flat), chunk)])
         t3 = time.time()
-        rewards = scores.view(B, len(grans), len(steps), G).transpose(0, 1)[None]  # (1, J, B, K, G)
-        advantages = granular_advantages(rewards, 5.0)
+        rewards = scores.view(B, len(grans), len(steps), G, 1)  # (B, J, K, G, R)
+        advantages = granular_advantages(rewards, adv_clip_max=5.0)
+        update = dict(eta=0.7, clip_range=1e-4, max_grad_norm=1.0)
         if mode == "batched":
-            g2rpo_update(velocity, params, optimizer, rollout, advantages, sigmas, 0.7, 1e-4, 5.0, 1.0)
+            g2rpo_update(velocity, params, optimizer, rollout, advantages, sigmas, **update)
         else:  # the reference trains member by member: one batch-1 forward per member and step
-            g2rpo_update(velocity, params, optimizer, _per_member(rollout), advantages, sigmas, 0.7, 1e-4,
-                         5.0, 1.0, max_batch=1)
+            g2rpo_update(velocity, params, optimizer, _per_member(rollout), advantages, sigmas, **update, max_batch=1)
             torch.testing.assert_close(finals, rollout.final_latents, atol=1e-4, rtol=1e-4)  # same math
         t4 = time.time()
         results[mode] = dict(sampling=t1 - t0, decode=t2 - t1, reward=t3 - t2, update=t4 - t3, total=t4 - t0, nfe=nfe)
@@ -262,10 +228,11 @@ def _nfe_per_iteration(flags):
     a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags])
     sigmas, gens = sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(4)]
     if a.sampling == "g2rpo":
-        out = rollout_g2rpo(zero_velocity, torch.zeros(4, 1), sigmas, a.group_size, a.sde_steps, a.granularities,
-                            a.eta, gens, 10**6)
+        out = rollout_g2rpo(zero_velocity, torch.zeros(4, 1), sigmas, gens, group_size=a.group_size,
+                            sde_steps=a.sde_steps, granularities=a.granularities, eta=a.eta, max_batch=10**6)
     else:
-        out = rollout_full_sde(zero_velocity, torch.zeros(4, 1), sigmas, a.group_size, a.sde_steps, a.eta, gens, 10**6)
+        out = rollout_full_sde(zero_velocity, torch.zeros(4, 1), sigmas, gens, group_size=a.group_size,
+                               sde_steps=a.sde_steps, eta=a.eta, max_batch=10**6)
     return out.nfe
 
 
@@ -300,95 +267,9 @@ def _plot(curves, path):
     print(f"plot: {path}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# part 4: FLUX scale on a GPU
-# ---------------------------------------------------------------------------------------------------------------
-FLUX_DEV_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                       num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                       guidance_embeds=True, axes_dims_rope=[16, 56, 56])  # black-forest-labs/FLUX.1-dev
-SMALL_CONFIG = dict(FLUX_DEV_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                    joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=[4, 6, 6])
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense bf16 FLOP/s
-
-
-def part4(args):
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-    from peft import LoraConfig
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from g2rpo import g2rpo_update
-    from advantage import granular_advantages
-
-    cuda = torch.cuda.is_available()
-    if not cuda and args.gpu_config == "flux":
-        print("\n## 4. FLUX scale: skipped (no CUDA device; `--gpu-config small` checks the code on CPU)")
-        return None
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    config = FLUX_DEV_CONFIG if args.gpu_config == "flux" else SMALL_CONFIG
-    transformer = FluxTransformer2DModel(**config).to(device, dtype)
-    transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=64, lora_alpha=64, init_lora_weights="gaussian",
-                                       target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    transformer.enable_gradient_checkpointing()
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    text_len, G = 512 if cuda else 8, 12
-    resolutions = (512, 720) if args.gpu_config == "flux" else (64,)
-    print(f"\n## 4. FLUX-sized transformer ({args.gpu_config} config), {device}, LoRA 64, G {G}\n")
-    print("| resolution | sampling s | update s | peak GiB | rollout TFLOP/s | of bf16 peak |")
-    print("|---|---|---|---|---|---|")
-    results = {}
-    for res in resolutions:
-        h = res // 16  # packed tokens per side (VAE factor 8, 2x2 patches)
-        L = h * h
-        prompt_embeds = torch.randn(1, text_len, config["joint_attention_dim"], device=device, dtype=dtype)
-        pooled = torch.randn(1, config["pooled_projection_dim"], device=device, dtype=dtype)
-        text_ids = torch.zeros(text_len, 3, device=device)
-        image_ids = FluxPipeline._prepare_latent_image_ids(1, h, h, device, dtype)
-
-        def velocity(x, sigma, idx):
-            with torch.autocast(device if cuda else "cpu", dtype=dtype, enabled=cuda):
-                return transformer(hidden_states=x.to(dtype), timestep=sigma.to(dtype),
-                                   guidance=torch.full_like(sigma, 3.5, dtype=dtype),
-                                   pooled_projections=pooled[idx], encoder_hidden_states=prompt_embeds[idx],
-                                   txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0].float()
-
-        x = torch.randn(1, L, 64, device=device)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            velocity(x, torch.ones(1, device=device), torch.zeros(1, dtype=torch.long, device=device))
-        flops_per_image = counter.get_total_flops()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-        sigmas, gens = sigma_schedule(16 if cuda else 4, 3.0), [torch.Generator().manual_seed(0)]
-        steps = list(range(8)) if cuda else [0, 1]
-        t0 = time.time()
-        rollout = rollout_g2rpo(velocity, x, sigmas, G, steps, [1, 2], 0.7, gens, max_batch=24)
-        if cuda:
-            torch.cuda.synchronize()
-        t1 = time.time()
-        rewards = torch.randn(1, 2, 1, len(steps), G)
-        g2rpo_update(velocity, params, optimizer, rollout, granular_advantages(rewards, 5.0).to(device), sigmas, 0.7,
-                     1e-4, 5.0, 1.0)
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.time()
-        achieved = flops_per_image * rollout.nfe / (t1 - t0)
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        name = torch.cuda.get_device_name() if cuda else "cpu"
-        peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
-        share = f"{100 * achieved / peak:.0f} %" if peak else "n/a"
-        print(f"| {res} | {t1 - t0:.1f} | {t2 - t1:.1f} | {peak_mem:.1f} | {achieved / 1e12:.1f} | {share} |")
-        results[res] = dict(sampling=t1 - t0, update=t2 - t1, peak_gib=peak_mem, tflops=achieved / 1e12)
-    return results
-
-
 def main(args: Args):
     if args.quick:
-        args.seeds, args.budget_nfe, args.gpu_config = 1, 2_500, "small"
+        args.seeds, args.budget_nfe = 1, 2_500
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
@@ -400,8 +281,6 @@ def main(args: Args):
         out["speed"] = part2(args)
     if 3 in args.parts:
         out["learning"] = part3(args)
-    if 4 in args.parts:
-        out["gpu"] = part4(args)
     return out
 
 

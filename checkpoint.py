@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 # config fields that must match for a resume to continue the same run
 RESUME_KEYS = ["model", "model_path", "lora_rank", "resolution", "group_size", "num_steps", "shift", "sde_steps",
-               "granularities", "sampling", "rewards", "seed", "prompts_per_iteration"]
+               "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
+               "window_every", "window_random", "kl_beta", "ema_decay", "ema_every"]
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32

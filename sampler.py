@@ -272,17 +272,40 @@ def complete_granularities(forward, next_latents, sigmas, sde_steps, granulariti
                         for g in granularities], 1)  # (B, J, K, G, ...)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Baselines: whole trajectories per member, one reward each (DanceGRPO / Flow-GRPO, MixGRPO / Flow-GRPO-Fast)
+# ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64):
-    """Baseline (DanceGRPO / Flow-GRPO): G full SDE trajectories per prompt from the shared noise; one reward per
-    trajectory is later broadcast to its trained steps `sde_steps`. Every step is an SDE step."""
+    """DanceGRPO / Flow-GRPO: G full SDE trajectories per prompt from the shared noise, every step an SDE step;
+    one reward per trajectory is later broadcast to its trained steps `sde_steps`."""
+    return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
+                                eta=eta, max_batch=max_batch, ode_elsewhere=False)
+
+
+@torch.no_grad()
+def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64):
+    """MixGRPO / Flow-GRPO-Fast: G trajectories per prompt from the shared noise, SDE only on `sde_steps` (the
+    window, which is also what is trained) and ODE elsewhere. Members are identical until the first SDE step, so
+    those steps run once per prompt: NFE = B * (first + G * (N - first)), first = min(sde_steps)."""
+    return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
+                                eta=eta, max_batch=max_batch, ode_elsewhere=True)
+
+
+def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch,
+                         ode_elsewhere):
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
     forward = Counter(velocity_fn, max_batch)
-    prompt_index = torch.arange(B, device=device).repeat_interleave(G)  # (B*G,)
-    x = noise.float().repeat_interleave(G, dim=0)  # (B*G, ...)
-    trained = {}
+    x, trained = noise.float(), {}  # (B, ...) while the members are still one latent, then (B*G, ...)
     for i in range(len(sigmas) - 1):
-        v = forward(x, sigmas[i].expand(B * G).to(device), prompt_index)
+        stochastic = i in sde_steps or not ode_elsewhere
+        if stochastic and x.shape[0] == B:  # the members part at their first SDE step
+            x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
+        index = torch.arange(B, device=device).repeat_interleave(x.shape[0] // B)  # (B or B*G,)
+        v = forward(x, sigmas[i].expand(x.shape[0]).to(device), index)
+        if not stochastic:
+            x, _ = sde_step(x, v, sigmas, i, eta=0.0)
+            continue
         member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
         x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=member_noise)
         if i in sde_steps:
@@ -294,3 +317,15 @@ def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_
         old_log_probs=torch.stack([trained[k][2] for k in sde_steps], 1),  # (B, K, G)
         final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
         anchor_final=None, sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+
+
+def window_steps(iteration, *, num_steps, size, stride, every, random=False, seed=0):
+    """The SDE window of an iteration: `size` consecutive steps. MixGRPO's sliding window starts at 0 and moves
+    `stride` steps every `every` iterations, wrapping round at the end of the schedule; Flow-GRPO-Fast's (random)
+    is drawn afresh each iteration from (seed, iteration)."""
+    starts = num_steps - size + 1  # possible first steps
+    if random:
+        start = int(torch.randint(starts, (1,), generator=torch.Generator().manual_seed(seed * 7919 + iteration)))
+    else:
+        start = (iteration // every) * stride % starts
+    return list(range(start, start + size))

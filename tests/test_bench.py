@@ -1,4 +1,4 @@
-"""bench.py --quick runs every part (part 4 with a small config on CPU) and its numbers are consistent.
+"""bench.py --quick runs every part and its numbers are consistent.
 
 Run: python -m pytest -q tests/test_bench.py
 """
@@ -16,6 +16,5 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     assert speed["batched"]["sampling"] < speed["reference"]["sampling"]
     assert set(out["learning"]) == set(bench.METHODS)
     assert (tmp_path / "quick" / "learning_per_compute.png").exists()
-    assert out["gpu"][64]["tflops"] > 0
     printed = capsys.readouterr().out
-    assert "## 1." in printed and "## 2." in printed and "## 3." in printed and "## 4." in printed
+    assert "## 1." in printed and "## 2." in printed and "## 3." in printed

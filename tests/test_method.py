@@ -10,7 +10,7 @@ import torch
 from advantage import granular_advantages, group_normalize
 from g2rpo import clipped_loss, g2rpo_update
 from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference,
-                     sde_kl, sde_step, sigma_schedule)
+                     rollout_mixed, sde_kl, sde_step, sigma_schedule, window_steps)
 
 REFERENCE_SIGMAS = [1.0, .9783, .9545, .9286, .9000, .8684, .8333, .7941, .7500, .7000, .6429, .5769, .5000,
                     .4091, .3000, .1667, 0.0]
@@ -207,6 +207,32 @@ def test_sde_kl_equals_torch_kl_and_vanishes_at_the_reference():
                                                      torch.distributions.Normal(mean(v_ref), std)).mean(1)
         torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, 0.7), expected, atol=1e-5, rtol=1e-4)
     assert torch.equal(sde_kl(v, v, sigmas, 2, 0.7), torch.zeros(2))
+
+
+@pytest.mark.parametrize("window", [[0, 1], [3, 4, 5], [7]])
+def test_mixed_rollout_sde_only_in_the_window(window):
+    torch.manual_seed(0)
+    net, B, G, N = Affine(6, 2), 2, 3, 8
+    out = rollout_mixed(net, torch.randn(B, 6), sigma_schedule(N, 3.0), generators(B), group_size=G,
+                        sde_steps=window, eta=0.7)
+    first = window[0]
+    assert out.nfe == B * (first + G * (N - first))  # members are one latent until the window
+    assert out.latents.shape == (B, len(window), G, 6) and out.final_latents.shape == (B, 1, 1, G, 6)
+    assert torch.equal(out.latents[:, 0, 0], out.latents[:, 0, 1])  # the window opens on the shared ODE latent
+    assert not torch.allclose(out.final_latents[:, 0, 0, 0], out.final_latents[:, 0, 0, 1])
+    # outside the window the members follow the ODE: identical noise-free steps, so the full-SDE rollout differs
+    full = rollout_full_sde(net, torch.randn(B, 6), sigma_schedule(N, 3.0), generators(B), group_size=G,
+                            sde_steps=window, eta=0.7)
+    assert full.nfe == B * G * N
+
+
+def test_window_slides_and_wraps_or_is_drawn():
+    slide = [window_steps(it, num_steps=8, size=3, stride=2, every=5)[0] for it in range(0, 20, 5)]
+    assert slide == [0, 2, 4, 0]  # first steps 0, 2, 4, then 6 wraps (6 possible starts: 0..5)
+    assert window_steps(4, num_steps=8, size=3, stride=2, every=5) == [0, 1, 2]
+    drawn = [window_steps(it, num_steps=8, size=2, stride=1, every=1, random=True, seed=3) for it in range(30)]
+    assert all(len(w) == 2 and 0 <= w[0] <= 6 for w in drawn) and len({w[0] for w in drawn}) > 3
+    assert drawn == [window_steps(it, num_steps=8, size=2, stride=1, every=1, random=True, seed=3) for it in range(30)]
 
 
 def test_group_normalize():

@@ -4,6 +4,7 @@ too many stop the run with the last good checkpoint intact.
 
 Run: python -m pytest -q tests/test_reliability.py
 """
+import dataclasses
 import json
 import os
 import random
@@ -51,6 +52,11 @@ BAD_INPUTS = [
     (["--model-path", "nobody/no-such-model"], "could not load a diffusers pipeline from 'nobody/no-such-model'"),
     (["--prompt-file", "/no/such/prompts.txt"], "--prompt-file '/no/such/prompts.txt' not found"),
     (["--eta", "0"], "needs eta > 0"),
+    (["--num-steps", "0"], "--num-steps 0: must be >= 1"),
+    (["--rewards", "shapes=1", "shapes=2"], "is given twice"),
+    (["--rewards", "shapes=nan"], "finite"),
+    (["--rewards", "shapes=0"], "0"),
+    (["--window-size", "9", "--num-steps", "8"], "longer than the schedule"),
 ]
 
 
@@ -60,6 +66,29 @@ def test_bad_input(extra, message, base, capsys, tmp_path):
     # nothing was written into the output folder
     out = tmp_path / "run"
     assert not out.exists() or not any(p.name in ("config.json", "metrics.jsonl") for p in out.iterdir())
+
+
+def numeric_fields():
+    return [f for f in dataclasses.fields(train.TrainArgs) if f.type in (int, float)]
+
+
+def test_every_numeric_flag_has_a_range():
+    assert sorted(f.name for f in numeric_fields()) == sorted(train.RULES)
+
+
+CANDIDATES = ["-1", "0", "nan", "inf", "1.5", "2"]
+
+
+@pytest.mark.parametrize("name", sorted(train.RULES))
+def test_every_numeric_flag_refuses_a_bad_value(name, base, capsys, tmp_path):
+    kind = next(f.type for f in numeric_fields() if f.name == name)
+    check = train.RULES[name][0]
+    bad = next(v for v in CANDIDATES if (kind is float or v.lstrip("-").isdigit()) and not check(kind(v)))
+    flag = "--" + name.replace("_", "-")
+    started = time.time()
+    err = expect_error(capsys, [*base, flag, bad], flag)
+    assert "Traceback" not in err and time.time() - started < 1.0
+    assert not (tmp_path / "run").exists()  # nothing written, not even the folder
 
 
 def test_bad_prompt_files(base, capsys, tmp_path):
@@ -83,12 +112,14 @@ def test_output_folder_rules(base, capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     expect_error(capsys, [*base, "--output-dir", str(blocker / "sub")], "is not writable")
+    expect_error(capsys, [*base, "--resume", "--overwrite"], "contradict")
+    expect_error(capsys, [*base, "--prompt-file", str(tmp_path)], "is a folder")
     run_train([*base, "--num-iterations", "1"])
-    before = {p: os.path.getmtime(p) for p in map(str, out.rglob("*"))}
+    untouched = lambda: {p: os.path.getmtime(p) for p in map(str, out.rglob("*")) if not p.endswith(".lock")}
+    before = untouched()
     expect_error(capsys, [*base], "already holds a run; pass --resume")
     expect_error(capsys, [*base, "--resume", "--group-size", "4"], "another configuration (group_size: 3 there, 4 here)")
-    after = {p: os.path.getmtime(p) for p in map(str, out.rglob("*"))}
-    assert before == after  # refused runs leave the folder untouched
+    assert before == untouched()  # refused runs leave the run's files untouched (each takes the lock in passing)
 
 
 def test_bad_input_in_a_subprocess_has_no_traceback(base):
@@ -187,7 +218,7 @@ def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys)
             return scores
         return rewards._batched(fn, batch_size)
 
-    monkeypatch.setitem(rewards.REWARDS, "shapes", flaky)
+    monkeypatch.setitem(rewards.REWARDS, "shapes", rewards.Reward(flaky, {}))
     out = tmp_path / "run"
     args = [*base, "--num-iterations", "10", "--checkpoint-every", "1", "--eval-every", "100", "--max-faults", "3",
             "--reward-batch-size", "1000"]
@@ -229,3 +260,67 @@ def _is_rank(pid, rank, marker):
     except OSError:
         return False
     return env.get(b"RANK") == rank.encode() and marker.encode() in cmdline and b"train.py" in cmdline
+
+
+def test_second_run_into_a_held_folder_is_refused(flux_path, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    args = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "500", "--eval-every", "1000",
+            "--checkpoint-every", "1000", "--output-dir", out, *QUICK]
+    first = start_train(args)
+    try:
+        wait_for_iteration(os.path.join(out, "metrics.jsonl"), 0, first)
+        err = expect_error(capsys, [*args, "--seed", "7"], f"is in use by pid {first.pid}")
+        assert out in err
+    finally:
+        first.kill()
+        first.wait()
+    # the killed run's lock is stale: the folder is taken over (and refused only because it holds a run)
+    expect_error(capsys, args, "already holds a run")
+
+
+def test_second_signal_aborts_at_once_keeping_the_last_checkpoint(flux_path, tmp_path):
+    out = str(tmp_path / "run")
+    slow = ["--group-size", "8", "--num-steps", "8", "--sde-steps", "0", "1", "2", "3"]  # iterations of ~1 s
+    proc = start_train(["--model", "flux", "--model-path", flux_path, "--num-iterations", "500", "--eval-every",
+                        "1000", "--checkpoint-every", "1", "--output-dir", out, *QUICK, *slow])
+    wait_for_iteration(os.path.join(out, "metrics.jsonl"), 2, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)  # a person's double Ctrl-C (signals sent together may be delivered as one)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "no checkpoint was written for the current iteration" in stdout
+    import checkpoint
+
+    newest = checkpoint.latest_checkpoint(out)
+    assert newest is not None and checkpoint.verify(newest) is None
+
+
+def test_resume_survives_a_damaged_checkpoint_and_lost_metrics(flux_path, tmp_path):
+    out = str(tmp_path / "run")
+    common = ["--model", "flux", "--model-path", flux_path, "--eval-every", "100", "--checkpoint-every", "1",
+              "--output-dir", out, *QUICK]
+    run_train([*common, "--num-iterations", "2"])
+    newest = os.path.join(out, "checkpoints", "iter_000002", "trainer.pt")
+    with open(newest, "r+b") as f:
+        f.truncate(100)  # a write cut short
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    proc = run_train([*common, "--num-iterations", "3", "--resume"])
+    assert "resumed from" in proc.stdout and "iter_000001" in proc.stdout
+    assert "set aside" in proc.stdout or "damaged" in proc.stdout
+    assert os.path.isdir(os.path.join(out, "checkpoints", "iter_000002.damaged"))  # kept, not deleted
+    assert read_iteration(out) == 3
+    proc = run_train([*common, "--num-iterations", "3", "--resume"])
+    assert "the run is complete" in proc.stdout
+
+
+def test_a_run_that_never_steps_exits_non_zero(base, tmp_path, monkeypatch):
+    import rewards
+
+    def broken(device, dtype, batch_size, paths):
+        return rewards._batched(lambda images, prompts: torch.full((len(prompts),), float("nan")), batch_size)
+
+    monkeypatch.setitem(rewards.REWARDS, "shapes", rewards.Reward(broken, {}))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(train.parse_args([*base, "--num-iterations", "2", "--max-faults", "5"]))
+    assert "no optimizer step succeeded" in str(exit_info.value.code)

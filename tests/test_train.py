@@ -69,10 +69,16 @@ def test_saved_weights_load_into_stock_diffusers(flux_path, tmp_path):
     assert changed
 
 
-def test_resume_equals_uninterrupted(flux_path, tmp_path):
+def extra_state(out, iteration, name="ema"):
+    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", f"{name}.safetensors"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4", "--ema-decay", "0.5", "--kl-beta", "0.1"]],
+                         ids=["full", "lora-ema-kl"])
+def test_resume_equals_uninterrupted(extra, flux_path, tmp_path):
     full, parts = str(tmp_path / "full"), str(tmp_path / "parts")
     common = ["--model", "flux", "--model-path", flux_path, "--lr", "1e-2", "--checkpoint-every", "2",
-              "--eval-every", "100", *QUICK]
+              "--eval-every", "100", *QUICK, *extra]
     run_train([*common, "--output-dir", full, "--num-iterations", "4"])
     run_train([*common, "--output-dir", parts, "--num-iterations", "2"])
     proc = run_train([*common, "--output-dir", parts, "--num-iterations", "4", "--resume"])
@@ -81,20 +87,47 @@ def test_resume_equals_uninterrupted(flux_path, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows_a, rows_b = read_metrics(full), read_metrics(parts)
     assert [r["train/reward/shapes"] for r in rows_a[1:]] == [r["train/reward/shapes"] for r in rows_b[1:]]
+    if extra:  # the EMA resumes exactly, and the KL term is on
+        ema_a, ema_b = extra_state(full, 4), extra_state(parts, 4)
+        assert len(ema_a) == len(a)  # one average per trained (LoRA) weight
+        assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
+        assert rows_a[-1]["losses/kl"] > 0
+
+
+def test_ema_is_the_hand_computed_average():
+    from run import EMA
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    ema = EMA([("w", w)], decay=0.5, every=2)
+    history = [torch.tensor([3.0, 2.0]), torch.tensor([5.0, 0.0]), torch.tensor([1.0, 4.0]), torch.tensor([7.0, 8.0])]
+    expected = w.detach().clone()
+    for it, value in enumerate(history, start=1):
+        w.data.copy_(value)
+        ema.update(it)
+        if it % 2 == 0:  # every second iteration: ema <- 0.5 ema + 0.5 w
+            expected = 0.5 * expected + 0.5 * value
+    torch.testing.assert_close(ema.state_dict()["w"], expected)
+    ema.swap()
+    torch.testing.assert_close(w.detach(), expected)
+    ema.swap()
+    torch.testing.assert_close(w.detach(), history[-1])
 
 
 @pytest.mark.parametrize("lora", [4, 0], ids=["ddp", "fsdp2"])
 def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "2", "--lora-rank", str(lora),
-              "--lr", "1e-3", "--eval-every", "100", *QUICK]
+              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", *QUICK]
     run_train([*common, "--output-dir", one])
     proc = run_train([*common, "--output-dir", two], torchrun=2)
     assert "ranks agree on the parameters" in proc.stdout
     a, b = transformer_weights(one, 2), transformer_weights(two, 2)
     assert a.keys() == b.keys()
-    for k in a:  # equal up to the order of the gradient all-reduce (Adam magnifies it on tiny gradients)
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=2e-5)
+    ema_a, ema_b = extra_state(one, 2), extra_state(two, 2)  # the EMA, gathered from DDP copies or FSDP2 shards
+    assert ema_a.keys() == ema_b.keys() and len(ema_a) > 0
+    for x, y in [(a, b), (ema_a, ema_b)]:  # equal up to the order of the gradient all-reduce (Adam magnifies it)
+        for k in x:
+            torch.testing.assert_close(x[k], y[k], rtol=1e-3, atol=2e-5)
     if lora:  # and the runs did learn: LoRA's B matrices start at zero
         assert any(v.abs().max() > 1e-4 for k, v in a.items() if "lora_B" in k)
     else:

@@ -1,0 +1,270 @@
+"""Everything around the training loop that is not the method: the output folder, checkpoints and resume, signals,
+fault counting, metrics and trackers, sample grids, EMA weights, and the check that ranks agree.
+
+train.py calls a `Run` at fixed points of its loop; nothing here knows how a rollout or an update works.
+"""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fail(message: str, master: bool = True):
+    """Bad input or an unusable state: one line (on rank 0 only), exit status 2."""
+    if master:
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def code_version():
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def all_mean(values: dict, distributed: bool) -> dict:
+    """Mean of logged scalars over ranks (nothing else is ever communicated outside the update)."""
+    if not distributed:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t)}
+
+
+def any_rank(flag: bool, distributed: bool) -> bool:
+    if not distributed:
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def full_tensor(p):
+    """A parameter as one whole tensor (FSDP2 shards are DTensors; gathering them is collective)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+class EMA:
+    """Exponential moving average of the trained parameters: ema <- decay * ema + (1 - decay) * param, every
+    `every` optimizer iterations. Used for the held-out evaluation and saved beside the weights."""
+
+    def __init__(self, named_params, decay: float, every: int):
+        self.named = list(named_params)
+        self.decay, self.every = decay, every
+        self.shadow = [p.detach().clone() for _, p in self.named]
+
+    @torch.no_grad()
+    def update(self, iteration: int):
+        if iteration % self.every == 0:
+            for e, (_, p) in zip(self.shadow, self.named):
+                e.lerp_(p.detach(), 1 - self.decay)
+
+    @torch.no_grad()
+    def swap(self):
+        """Exchange the live and the averaged weights (call twice to restore)."""
+        for e, (_, p) in zip(self.shadow, self.named):
+            live = p.detach().clone()
+            p.copy_(e)
+            e.copy_(live)
+
+    def state_dict(self):
+        return {name: full_tensor(e).detach().cpu().contiguous() for e, (name, _) in zip(self.shadow, self.named)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        for e, (name, _) in zip(self.shadow, self.named):
+            saved = state[name].to(e.device, e.dtype)
+            if hasattr(e, "full_tensor"):  # FSDP2: keep this rank's shard of the saved whole tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                saved = distribute_tensor(saved, e.device_mesh, e.placements)
+            e.copy_(saved)
+
+
+class Run:
+    """The output folder and the bookkeeping of one training run, on every rank (rank 0 alone writes files)."""
+
+    def __init__(self, args, rank: int, world: int, distributed: bool, log):
+        self.args, self.out, self.rank, self.world = args, args.output_dir, rank, world
+        self.distributed, self.master, self.log = distributed, rank == 0, log
+        self.metrics_path = os.path.join(self.out, "metrics.jsonl")
+        self.lock, self.tracker = None, None
+        self.stop_requested, self.faults, self.optimizer_steps, self.warned_skip = False, 0, 0, False
+        self._previous_handlers = {}
+
+    # ---- the folder: locked, refused if it holds another run, resumed from its newest good checkpoint ----
+    def open(self, config: dict) -> str | None:
+        """Lock the folder and decide where the run starts (rank 0). Returns the checkpoint to resume or None.
+        Nothing else is written until `begin`, so a run that fails to load its models leaves the folder as it was."""
+        args = self.args
+        try:
+            self.lock = checkpoint.lock_output(self.out, log=self.log)
+        except checkpoint.LockedError as err:
+            fail(str(err))
+        except OSError as err:
+            fail(f"--output-dir '{self.out}' is not writable ({err.strerror}); choose another folder")
+        config_path = os.path.join(self.out, "config.json")
+        resume_from = checkpoint.latest_checkpoint(self.out, log=self.log) if args.resume else None
+        if args.resume and resume_from is None:
+            fail(f"--resume but '{self.out}' holds no complete checkpoint; drop --resume to start afresh")
+        if resume_from:
+            diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config)
+            if diff:
+                fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
+                     f"{diff[2]} here); resume with the same settings or use a new --output-dir")
+        elif os.path.exists(config_path) and not args.overwrite:
+            fail(f"--output-dir '{self.out}' already holds a run; pass --resume to continue it, "
+                 f"--overwrite to replace it, or choose another folder")
+        return resume_from
+
+    def begin(self, config: dict, fresh: bool):
+        """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration."""
+        if fresh:
+            for stale in ("metrics.jsonl", "checkpoints", "samples", "tensorboard"):
+                path = os.path.join(self.out, stale)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        with open(os.path.join(self.out, "config.json"), "w") as f:
+            json.dump({**config, "code_version": code_version()}, f, indent=1)
+
+    def close(self):
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        if self.lock is not None:
+            self.lock.release()
+
+    # ---- signals: the first asks for a checkpoint at the end of the iteration, the second aborts at once ----
+    def catch_signals(self):
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_signal(self, signum, frame):
+        if self.stop_requested:
+            self.log(f"\nsecond signal {signum}: aborting now; no checkpoint was written for the current "
+                     f"iteration, the previous one is intact")
+            raise SystemExit(130)
+        self.stop_requested = True
+        self.log(f"\nreceived signal {signum}: saving a checkpoint at the end of this iteration "
+                 f"(send it again to abort without saving)")
+
+    def should_stop(self) -> bool:
+        return any_rank(self.stop_requested, self.distributed)
+
+    # ---- metrics: one strict-JSON line per iteration, an optional tracker ----
+    def resume_metrics(self, iteration: int) -> dict:
+        """Drop rows from after the checkpoint (a crash's partial work); returns the first evaluation's metrics."""
+        rows = checkpoint.truncate_metrics(self.metrics_path, iteration, log=self.log) if self.master else []
+        first = next((r for r in rows if r.get("iteration") == 0), {})
+        return {k: v for k, v in first.items() if k.startswith("eval/")}
+
+    def write_metrics(self, iteration: int, metrics: dict):
+        if not self.master:
+            return
+        checkpoint.append_metrics(self.metrics_path, {"iteration": iteration, **metrics})
+        if self.tracker is not None:
+            self.tracker(metrics, iteration)
+
+    def open_tracker(self, config: dict):
+        if not self.master or self.args.log_with == "none":
+            return
+        if self.args.log_with == "wandb":
+            import wandb
+
+            wandb_run = wandb.init(project="g2rpo", config=config)
+            self.tracker = lambda m, it: wandb_run.log(m, step=it)
+        else:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(os.path.join(self.out, "tensorboard"))
+            self.tracker = lambda m, it: [writer.add_scalar(k, v, it) for k, v in m.items()]
+
+    # ---- faults: skipped steps warn once, then too many faulty iterations in a row stop the run ----
+    def count_faults(self, metrics: dict) -> bool:
+        """Count this iteration's faults (the first skipped step warns); returns whether it was faulty."""
+        skipped, nonfinite = metrics["faults/skipped_steps"], metrics["faults/nonfinite_rewards"]
+        self.optimizer_steps += metrics.get("perf/optimizer_steps", 0)
+        faulty = skipped > 0 or nonfinite > 0
+        if skipped > 0 and not self.warned_skip:
+            self.warned_skip = True
+            cause = "the rewards were not finite" if nonfinite else "its gradient norm was not finite"
+            self.log(f"\nwarning: an optimizer step was skipped: {cause}. Likely causes: an attention kernel with a wrong backward "
+                     f"(try --attention-backend math), bf16 overflow (try --mixed-precision no), a learning rate too "
+                     f"high, or non-finite rewards")
+        self.faults = self.faults + 1 if faulty else 0
+        return faulty
+
+    def stop_after_too_many_faults(self):
+        """--max-faults faulty iterations in a row stop the run, naming the last good checkpoint."""
+        if self.faults >= self.args.max_faults:
+            latest = checkpoint.latest_checkpoint(self.out, log=self.log) if self.master else None
+            raise SystemExit(f"error: stopping: {self.faults} iterations in a row had non-finite rewards, loss or "
+                             f"gradients; the last good checkpoint is {latest or 'none (no checkpoint yet)'}")
+
+    # ---- checkpoints ----
+    def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None):
+        """Save a checkpoint, unless the weights are not finite (then the last good checkpoint stays the newest)."""
+        finite = not any_rank(any(not bool(torch.isfinite(full_tensor(p)).all()) for p in params), self.distributed)
+        if not finite:
+            raise SystemExit(f"error: the weights are not finite after iteration {iteration} (a learning rate too "
+                             f"high?); no checkpoint written, the last good one is "
+                             f"{checkpoint.latest_checkpoint(self.out, log=self.log) if self.master else ''}")
+        extra = {"ema": ema.state_dict()} if ema is not None else None
+        checkpoint.save(self.out, iteration, model, transformer, optimizer, config, self.args.lora_rank > 0,
+                        pipeline_class, extra=extra, log=self.log)
+
+    def check_ranks_agree(self, params):
+        """Every rank must hold the same (full) parameters after training; a cheap checksum proves it."""
+        with torch.no_grad():
+            total = sum(float(full_tensor(p).double().sum()) for p in params)
+        sums = [None] * self.world
+        dist.all_gather_object(sums, total)
+        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"ranks disagree on the parameters after training: checksums {sums}")
+        self.log(f"{self.world} ranks agree on the parameters (checksum {sums[0]:.6f})")
+
+    # ---- sample grids and the closing summary ----
+    def save_grid(self, images, name, eval_prompts):
+        if not self.master:
+            return
+        from torchvision.utils import save_image
+
+        os.makedirs(os.path.join(self.out, "samples"), exist_ok=True)
+        n = min(len(images), 2 * eval_prompts, 24)
+        save_image(images[:n], os.path.join(self.out, "samples", name), nrow=min(n, 12), padding=1)
+
+    def summary(self, before: dict, after: dict, reward_names):
+        parts = []
+        for name in reward_names:
+            b, a = before.get(f"eval/reward/{name}"), after.get(f"eval/reward/{name}")
+            if b is None or a is None:
+                continue
+            sb, sa = before.get(f"eval/reward_seed_std/{name}") or 0, after.get(f"eval/reward_seed_std/{name}") or 0
+            parts.append(f"{name} {b:.4f} (seed std {sb:.4f}) -> {a:.4f} (seed std {sa:.4f})")
+        if parts:
+            self.log("held-out eval reward: " + "; ".join(parts))
+        samples = os.path.join(self.out, "samples")
+        first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))
+        if os.path.exists(first) and os.path.exists(final):
+            from PIL import Image
+
+            top, bottom = Image.open(first), Image.open(final)
+            grid = Image.new("RGB", (max(top.width, bottom.width), top.height + bottom.height + 4), "white")
+            grid.paste(top, (0, 0))
+            grid.paste(bottom, (0, top.height + 4))
+            grid.save(os.path.join(samples, "before_after.png"))
+            self.log(f"before (top) / after (bottom) samples: {os.path.join(samples, 'before_after.png')}")
