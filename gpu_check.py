@@ -1,0 +1,536 @@
+"""A GPU check anyone can run: does training on this accelerator compute the right thing, and how fast is it?
+
+Every part goes through the trainer's own code: `models.FluxAdapter.velocity` (the one place a transformer is
+called, with its attention kernels and compilation), `models.add_lora` (the trainer's LoRA targets),
+`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `models.check_gradient`.
+  1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator: no skipped optimizer step, and the
+                train and held-out rewards rise.
+  2. gradient:  a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA r64, gradient
+                checkpointing, 720^2: the update's gradient is finite and matches the math attention kernel's
+                (`models.check_gradient`), and one `g2rpo_update` step is taken, not skipped.
+  3. iteration: one full G2RPO iteration at 720^2, G 12, M 0..7, Lambda {1, 2}: seconds for the rollout, decode +
+                reward and the update; peak memory; the rollout's TFLOP/s and its share of the chip's dense bf16
+                peak; and how far the first update's ratios are from 1 (lr 0, so every step sees the rollout's
+                policy).
+  4. levers:    per lever of the GPU-speed issue (the rollout's attention kernel, regional compilation, max batch),
+                at 512^2 and 720^2: timed rollout forwards and update steps, their TFLOP/s and share of peak, and
+                the seconds per phase of one iteration projected from them.
+FLOPs come from torch.utils.flop_counter on one forward (rollout) and one update step (forward, checkpoint
+recompute and backward, as executed). Each case runs in a subprocess of its own (a CUDA error poisons the
+process that meets it); results are appended to `results.jsonl` and printed as markdown tables as they come. A
+case that would start past `--budget-s` is skipped and says so.
+
+What stands in for what at FLUX size: random prompt embeddings of T5-XXL's and CLIP's shapes (no text encoders);
+a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel rule as the reward (an HPS ViT-H
+forward is not timed).
+
+Run:
+    python gpu_check.py                  # one GPU, FLUX-sized: under 8 minutes on an H200
+    python gpu_check.py --config small   # CPU, about a minute: the same code on a tiny transformer
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=[16, 56, 56])  # black-forest-labs/FLUX.1-dev transformer/config.json
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+                layers_per_block=2, down_block_types=["DownEncoderBlock2D"] * 4,
+                up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
+                scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1-dev vae/config.json
+SMALL = dict(FLUX_DEV, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=[4, 6, 6])
+SMALL_VAE = dict(FLUX_VAE, latent_channels=4, block_out_channels=[16, 16], layers_per_block=1, norm_num_groups=8,
+                 down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                 mid_block_add_attention=False)
+
+
+@dataclass
+class Scale:
+    """Everything that differs between the FLUX-sized check and the small CPU one."""
+
+    transformer: dict
+    vae: dict
+    text_tokens: int  # T5 tokens of the random prompt embeddings
+    resolution: int  # of the gradient check and the full iteration
+    lever_resolutions: tuple
+    num_steps: int  # N
+    group_size: int  # G
+    sde_steps: tuple  # M
+    granularities: tuple  # Lambda
+    max_batch: int
+    batches: tuple  # the max-batch lever
+    lora_rank: int
+    compile: str  # the compile lever's backend
+    tiny_args: list  # train.py's arguments for part 1 (a pipeline folder is appended for the small config)
+    timeouts: dict = field(default_factory=dict)  # seconds per case kind
+
+
+SCALES = {
+    "flux": Scale(FLUX_DEV, FLUX_VAE, 512, 720, (512, 720), 16, 12, tuple(range(8)), (1, 2), 24, (12, 24, 48), 64,
+                  "inductor", ["--model", "tiny", "--num-iterations", "20"],
+                  dict(tiny=300, gradient=150, iteration=330, lever=150)),
+    "small": Scale(SMALL, SMALL_VAE, 16, 32, (32,), 4, 3, (0, 1), (1, 2), 8, (4, 8), 4, "aot_eager",
+                   ["--model", "flux", "--num-iterations", "2", "--resolution", "32", "--num-steps", "4",
+                    "--group-size", "3", "--sde-steps", "0", "1", "--granularities", "1", "2",
+                    "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
+                    "--prompt-file", "prompts/tiny_train.txt", "--eval-prompt-file", "prompts/tiny_eval.txt",
+                    "--eval-seeds", "1", "--eval-every", "1", "--lr", "1e-3", "--mixed-precision", "no",
+                    "--no-gradient-checkpointing"],
+                   dict(tiny=120, gradient=60, iteration=60, lever=60)),
+}
+
+
+@dataclass
+class Args:
+    config: Literal["flux", "small"] = "flux"
+    """flux: the FLUX.1-dev-sized checks on one GPU; small: the same code with a tiny transformer (runs on a CPU)."""
+    parts: tuple[Literal["tiny", "gradient", "iteration", "levers"], ...] = ("tiny", "gradient", "iteration", "levers")
+    """Which parts to run (see the module docstring)."""
+    output_dir: str = "runs/gpu_check"
+    """Where results.jsonl (one JSON object per case, appended) and the tiny run go."""
+    budget_s: float = 460.0
+    """Wall-clock budget of the whole check: a case that would start past it is skipped, one running past it stopped."""
+    case: str = ""
+    """Internal: one case as JSON, run in this process and appended to results.jsonl (what each subprocess runs)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building blocks, used inside a case's subprocess
+# ---------------------------------------------------------------------------------------------------------------
+def device_and_dtype():
+    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+@contextlib.contextmanager
+def created_as(device, dtype):
+    """Modules built inside are created directly on `device` in `dtype` (no fp32 copy of 12 B parameters)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build(scale: Scale, options: dict):
+    """A FluxPipeline with a random transformer and VAE (no text encoders) behind the project's FluxAdapter, LoRA on
+    the trainer's targets, gradient checkpointing, random prompt embeddings. Returns (adapter, cond, params)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    import models
+    import tiny
+
+    device, dtype = device_and_dtype()
+    torch.manual_seed(0)
+    with created_as(device, dtype):
+        transformer, vae = FluxTransformer2DModel(**scale.transformer), AutoencoderKL(**scale.vae)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=tiny.build_tokenizers()[1], transformer=transformer)
+    adapter = models.FluxAdapter(pipe, device, dtype, guidance=3.5, **options)
+    models.add_lora(transformer, rank=scale.lora_rank, alpha=0, feed_forward=False)
+    transformer.enable_gradient_checkpointing()
+    config = scale.transformer
+    cond = {"prompt_embeds": torch.randn(1, scale.text_tokens, config["joint_attention_dim"], device=device, dtype=dtype),
+            "pooled": torch.randn(1, config["pooled_projection_dim"], device=device, dtype=dtype),
+            "text_ids": torch.zeros(scale.text_tokens, 3, device=device)}  # (1, T, D), (1, D'), (T, 3)
+    return adapter, cond, [p for p in transformer.parameters() if p.requires_grad]
+
+
+def velocity_at(adapter, cond, resolution):
+    """The velocity function the rollout and the update call, as the trainer builds it: v(x, sigma | prompt)."""
+    return lambda x, sigma, index: adapter.velocity(adapter.transformer, cond, x, sigma, index, resolution)
+
+
+def timed(fn):
+    """(fn(), seconds), the accelerator's queue drained before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def count_flops(fn) -> int:
+    """FLOPs of fn() as executed, eager (a compiled block would hide its matmuls from the counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def one_step_rollout(velocity_fn, noise, sigmas, group_size, eta):
+    """Step 3 of the rollout for k = 0 alone: G SDE samples from x_T and their log-probs, in a `Rollout` (what the
+    update reads), for the checks that need an update but not a whole rollout."""
+    from sampler import Rollout, sde_step
+
+    G = group_size
+    with torch.no_grad():
+        velocity = velocity_fn(noise, sigmas[:1].to(noise.device), torch.zeros(1, dtype=torch.long, device=noise.device))
+        member_noise = torch.randn((G, *noise.shape[1:]), generator=torch.Generator().manual_seed(1)).to(noise.device)
+        next_latents, log_probs = sde_step(noise.expand(G, *noise.shape[1:]), velocity.expand(G, *noise.shape[1:]),
+                                           sigmas, 0, eta, noise=member_noise)  # (G, ...), (G,)
+    return Rollout(latents=noise[:, None, None], next_latents=next_latents[None, None],
+                   old_log_probs=log_probs[None, None], final_latents=None, anchor_final=None, sde_steps=[0], nfe=1,
+                   calls=1)  # (1, 1, 1, ...), (1, 1, G, ...), (1, 1, G)
+
+
+def update_loss(velocity_fn, rollout, advantages, sigmas, eta):
+    """The update's loss for the first prompt at the first trained step, as a closure for `check_gradient`: one
+    forward scores all G members, through `g2rpo.clipped_loss` without its clip (at the first step r = 1, where the
+    clip's mask flips on ratio differences of 1e-4, which the reference kernel's rounding alone makes)."""
+    from g2rpo import clipped_loss
+    from sampler import sde_step
+
+    k, start, targets = rollout.sde_steps[0], rollout.latents[:1, 0, 0], rollout.next_latents[0, 0]  # (1, ...), (G, ...)
+    G, index = targets.shape[0], torch.zeros(1, dtype=torch.long, device=start.device)
+
+    def loss_fn():
+        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
+        _, log_probs = sde_step(start.expand(G, *start.shape[1:]), velocity.expand(G, *start.shape[1:]), sigmas, k,
+                                eta, next_latents=targets)  # (G,)
+        return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0], advantages[:1, 0], float("inf"))
+    return loss_fn
+
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def share_of_peak(flops_per_s):
+    """The fraction of the chip's dense bf16 peak, or None for a chip not in the table (and the CPU)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    return flops_per_s / peak if peak else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cases, each run in a subprocess of its own
+# ---------------------------------------------------------------------------------------------------------------
+ETA, CLIP_RANGE, SHIFT = 0.7, 1e-4, 3.0  # the reference's eta, clip range and time shift
+
+
+def decode_and_reward(adapter, final_latents, resolution, chunk=8):
+    """Every final latent (B, J, K, G, ...) decoded by the VAE and scored by the tiny world's pixel rule: (B, J, K, G)."""
+    import tiny
+
+    flat = final_latents.flatten(0, 3)  # (B*J*K*G, L, 4C)
+    scores = [tiny.shape_reward(adapter.decode(part, resolution), ["a red circle on the left"] * len(part))
+              for part in flat.split(chunk)]
+    return torch.cat(scores).view(final_latents.shape[:4])
+
+
+def iteration_nfe(scale: Scale) -> int:
+    """Image-forwards of one rollout at the scale's settings, counted with a zero velocity (no model needed)."""
+    from sampler import rollout_g2rpo, sigma_schedule
+
+    rollout = rollout_g2rpo(lambda x, sigma, index: torch.zeros_like(x), torch.zeros(1, 4),
+                            sigma_schedule(scale.num_steps, SHIFT), [torch.Generator()], group_size=scale.group_size,
+                            sde_steps=list(scale.sde_steps), granularities=list(scale.granularities), eta=ETA,
+                            max_batch=scale.max_batch)
+    return rollout.nfe
+
+
+def case_gradient(scale: Scale, case: dict) -> dict:
+    """Part 2: the update's gradient under the run's kernels against the math kernel's; then one real update step."""
+    from g2rpo import g2rpo_update
+    from sampler import sigma_schedule
+
+    adapter, cond, params = build(scale, {})
+    velocity_fn = velocity_at(adapter, cond, case["resolution"])
+    sigmas = sigma_schedule(scale.num_steps, SHIFT)
+    rollout = one_step_rollout(velocity_fn, adapter.noise([torch.Generator().manual_seed(0)], case["resolution"]),
+                               sigmas, scale.group_size, ETA)
+    advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2))  # (B, K, G)
+    advantages = advantages.to(adapter.device)
+    check, seconds = timed(lambda: adapter.check_gradient(update_loss(velocity_fn, rollout, advantages, sigmas, ETA),
+                                                          params))
+    stats = g2rpo_update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages, sigmas,
+                         eta=ETA, clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
+    return dict(ok=check.ok and stats["skipped_steps"] == 0, message=check.message, cosine=check.cosine,
+                relative_error=check.relative_error, norm=check.norm, reference_norm=check.reference_norm,
+                check_s=seconds, update_grad_norm=stats["grad_norm"], skipped_steps=stats["skipped_steps"],
+                peak_gib=peak_gib())
+
+
+def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) -> dict:
+    """Timed rollout forwards at each max batch and timed update steps (after one untimed call each, which compiles
+    when compiling), their TFLOP/s and share of peak, and the seconds per phase of one iteration projected from them."""
+    from g2rpo import g2rpo_update
+    from sampler import sigma_schedule
+
+    sigmas, device = sigma_schedule(scale.num_steps, SHIFT), adapter.device
+    noise = adapter.noise([torch.Generator().manual_seed(0)], resolution)  # (1, L, 4C)
+    rollout = one_step_rollout(velocity_fn, noise, sigmas, scale.group_size, ETA)
+    advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2)).to(device)
+    optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: the ratio compares the update's forward with the rollout's
+    update = lambda: g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA,
+                                  clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
+    update_flops = count_flops(lambda: update_loss(velocity_fn, rollout, advantages, sigmas, ETA)().backward())
+    optimizer.zero_grad(set_to_none=True)
+    _, update_warmup = timed(update)
+    stats, update_s = timed(update)
+    index = torch.zeros(1, dtype=torch.long, device=device)
+    forward_flops = count_flops(lambda: torch.no_grad()(velocity_fn)(noise, sigmas[:1].to(device), index))
+    _, decode_s = timed(lambda: decode_and_reward(adapter, rollout.next_latents[:, :, None], resolution))  # G images
+    nfe, K, J = iteration_nfe(scale), len(scale.sde_steps), len(scale.granularities)
+    rows = []
+    for batch in batches:
+        x = noise.expand(batch, *noise.shape[1:]).contiguous()  # (batch, L, 4C)
+        sigma, index = torch.full((batch,), 0.5, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+        _, warmup = timed(lambda: torch.no_grad()(velocity_fn)(x, sigma, index))
+        _, seconds = timed(lambda: torch.no_grad()(velocity_fn)(x, sigma, index))
+        rate = forward_flops * batch / seconds
+        rows.append(dict(max_batch=batch, rollout_s_per_image=seconds / batch, rollout_tflops=rate / 1e12,
+                         rollout_share=share_of_peak(rate), warmup_s=warmup,
+                         projected_s=dict(rollout=nfe * seconds / batch, decode_and_reward=J * K * decode_s,
+                                          update=K * update_s)))
+    return dict(resolution=resolution, forward_tflop=forward_flops / 1e12, update_s_per_step=update_s,
+                update_tflops=update_flops / update_s / 1e12, update_share=share_of_peak(update_flops / update_s),
+                update_warmup_s=update_warmup, ratio_deviation=stats["ratio_max"] - 1,
+                skipped_steps=stats["skipped_steps"], forwards=rows, peak_gib=peak_gib())
+
+
+def case_iteration(scale: Scale, case: dict) -> dict:
+    """Part 3: one full G2RPO iteration, phase by phase; then the probe of the max-batch lever at this resolution."""
+    from advantage import granular_advantages
+    from g2rpo import g2rpo_update
+    from sampler import rollout_g2rpo, sigma_schedule
+
+    resolution, (adapter, cond, params) = case["resolution"], build(scale, {})
+    velocity_fn = velocity_at(adapter, cond, resolution)
+    sigmas, device = sigma_schedule(scale.num_steps, SHIFT), adapter.device
+    noise = adapter.noise([torch.Generator().manual_seed(0)], resolution)  # (B, L, 4C), B = 1
+    index = torch.zeros(1, dtype=torch.long, device=device)
+    forward_flops = count_flops(lambda: torch.no_grad()(velocity_fn)(noise, sigmas[:1].to(device), index))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    rollout, rollout_s = timed(lambda: rollout_g2rpo(
+        velocity_fn, noise, sigmas, [torch.Generator().manual_seed(1)], group_size=scale.group_size,
+        sde_steps=list(scale.sde_steps), granularities=list(scale.granularities), eta=ETA, max_batch=scale.max_batch))
+    rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
+    advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
+    optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: every step's ratio compares its forward with the rollout's
+    stats, update_s = timed(lambda: g2rpo_update(
+        velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA, clip_range=CLIP_RANGE,
+        max_grad_norm=1.0, max_batch=scale.max_batch))
+    rate = forward_flops * rollout.nfe / rollout_s
+    result = dict(resolution=resolution, seconds=dict(rollout=rollout_s, decode_and_reward=reward_s, update=update_s),
+                  nfe=rollout.nfe, calls=rollout.calls, peak_gib=peak_gib(), forward_tflop=forward_flops / 1e12,
+                  rollout_tflops=rate / 1e12, rollout_share=share_of_peak(rate),
+                  ratio_deviation=stats["ratio_max"] - 1, skipped_steps=stats["skipped_steps"])
+    result["probe"] = probe(adapter, velocity_fn, params, scale, resolution, scale.batches)
+    return result
+
+
+def case_lever(scale: Scale, case: dict) -> dict:
+    """Part 4: one lever (adapter options) probed at each resolution, one model for all of them."""
+    options = dict(rollout_attention_backend=case.get("rollout_attention_backend", "auto"),
+                   compile=scale.compile if case.get("compile") else False)
+    adapter, cond, params = build(scale, options)
+    batches = case.get("batches", (scale.max_batch,))
+    return dict(probes=[probe(adapter, velocity_at(adapter, cond, resolution), params, scale, resolution, batches)
+                        for resolution in case["resolutions"]])
+
+
+CASES = {"gradient": case_gradient, "iteration": case_iteration, "lever": case_lever}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the driver: plans the cases, runs each in a subprocess, records and prints the results as they come
+# ---------------------------------------------------------------------------------------------------------------
+def plan(scale: Scale, parts) -> list:
+    """The cases in order: correctness first, then timings (the riskiest levers last)."""
+    cases, everywhere = [], list(scale.lever_resolutions)
+    if "gradient" in parts:
+        cases.append(dict(kind="gradient", resolution=scale.resolution))
+    if "iteration" in parts:  # its probe is the baseline of the levers at its resolution
+        cases.append(dict(kind="iteration", resolution=scale.resolution))
+    if "levers" in parts:
+        others = [r for r in everywhere if r != scale.resolution or "iteration" not in parts]
+        if others:
+            cases.append(dict(kind="lever", lever="baseline", resolutions=others, batches=list(scale.batches)))
+        cases.append(dict(kind="lever", lever="rollout attention cudnn", rollout_attention_backend="cudnn",
+                          resolutions=everywhere))
+        cases.append(dict(kind="lever", lever=f"compile ({scale.compile})", compile=True, resolutions=everywhere))
+    return cases
+
+
+def run_case(args: Args, case: dict, deadline: float) -> dict:
+    """`case` in a subprocess of this script; its result, or why there is none."""
+    timeout = min(SCALES[args.config].timeouts[case["kind"]], deadline - time.time())
+    if timeout < 15:
+        return {**case, "status": "skipped: over the time budget (--budget-s)"}
+    command = [sys.executable, os.path.join(HERE, "gpu_check.py"), "--config", args.config, "--case", json.dumps(case)]
+    start = time.time()
+    try:
+        proc = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**case, "status": f"stopped after {timeout:.0f} s (its time limit or the budget)"}
+    lines = proc.stdout.splitlines()
+    result = next((json.loads(line[7:]) for line in reversed(lines) if line.startswith("RESULT ")), None)
+    if proc.returncode or result is None:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**case, "status": f"failed (exit {proc.returncode}): {why[:300]}"}
+    return {**result, "wall_s": time.time() - start, "notes": [line for line in lines if line.startswith("note:")]}
+
+
+def start_tiny(args: Args, scale: Scale):
+    """Part 1, in the background: train.py on the accelerator. Its timing is not reported, so it may overlap the
+    gradient check; every timed case waits for it to end."""
+    out = os.path.join(args.output_dir, "tiny")
+    argv = [*scale.tiny_args, "--output-dir", out, "--overwrite"]
+    if args.config == "small":  # a random tiny pipeline: the small check has no minutes for pre-training
+        import tiny
+
+        path = os.path.join(args.output_dir, "tiny_pipeline")
+        tiny.build_pipeline(seed=0).save_pretrained(path)
+        argv += ["--model-path", path]
+    log = open(os.path.join(args.output_dir, "tiny.log"), "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=HERE, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    return proc, out, log, time.time() + scale.timeouts["tiny"], time.time()
+
+
+def finish_tiny(started, deadline: float) -> dict:
+    """Waits for part 1 and reads its metrics.jsonl: skipped optimizer steps, and the rewards at the start and end."""
+    proc, out, log, own_deadline, start = started
+    try:
+        proc.wait(timeout=max(1.0, min(deadline, own_deadline) - time.time()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return dict(kind="tiny", status="stopped: over its time limit or the budget")
+    finally:
+        log.close()
+    if proc.returncode:
+        with open(log.name) as f:
+            why = (f.read().strip().splitlines() or ["no output"])[-1]
+        return dict(kind="tiny", status=f"failed (exit {proc.returncode}): {why[:300]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train = [r["train/reward/shapes"] for r in rows if "train/reward/shapes" in r]
+    held_out = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
+    n = max(1, len(train) // 4)  # the first and last quarter of the iterations
+    skipped = sum(r.get("faults/skipped_steps", 0) for r in rows)
+    return dict(kind="tiny", status="ok", wall_s=time.time() - start, iterations=len(train), skipped_steps=skipped,
+                train_reward=[sum(train[:n]) / n, sum(train[-n:]) / n], eval_reward=[held_out[0], held_out[-1]],
+                ok=skipped == 0 and held_out[-1] > held_out[0])
+
+
+def _num(value, digits=3):
+    if value is None or value != value:
+        return "n/a"
+    return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def _share(value):
+    return "n/a" if value is None else f"{100 * value:.0f} %"
+
+
+def lever_rows(name: str, probe_result: dict) -> list:
+    """Markdown rows of one probe: one per max batch."""
+    p = probe_result
+    return [f"| {name} | {p['resolution']} | {f['max_batch']} | {_num(f['rollout_s_per_image'])} | "
+            f"{_num(f['rollout_tflops'])} | {_share(f['rollout_share'])} | {_num(p['update_s_per_step'])} | "
+            f"{_num(p['update_tflops'])} | {_share(p['update_share'])} | "
+            f"{' / '.join(_num(s, 3) for s in f['projected_s'].values())} | "
+            f"{_num(f['warmup_s'])} / {_num(p['update_warmup_s'])} | {_num(p['ratio_deviation'])} |" for f in p["forwards"]]
+
+
+LEVER_HEADER = ("| lever | resolution | max batch | rollout s/image | TFLOP/s | of peak | update s/step | TFLOP/s | "
+                "of peak | one iteration, projected: rollout / decode + reward / update s | warm-up s: forward / "
+                "update | first-step ratio - 1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def report(result: dict):
+    """The result as a markdown table, printed as it comes."""
+    kind, status = result["kind"], result["status"]
+    print()
+    if status != "ok":
+        print(f"**{kind} {result.get('lever', '')}**: {status}")
+        return
+    elif kind == "tiny":
+        print("| tiny model on the accelerator | skipped steps | train reward first → last quarter | held-out reward "
+              "first → last | ok |\n|---|---|---|---|---|")
+        print(f"| {result['iterations']} iterations | {result['skipped_steps']} | "
+              f"{' → '.join(map(_num, result['train_reward']))} | {' → '.join(map(_num, result['eval_reward']))} | "
+              f"{result['ok']} |")
+    elif kind == "gradient":
+        print(f"| gradient at {result['resolution']}² | cosine | relative error | norm | math kernel's norm | "
+              f"update skipped steps | peak GiB | ok |\n|---|---|---|---|---|---|---|---|")
+        print(f"| LoRA {result['resolution']}² | {result['cosine']:.5f} | {_num(result['relative_error'])} | "
+              f"{_num(result['norm'])} | {_num(result['reference_norm'])} | {result['skipped_steps']} | "
+              f"{_num(result['peak_gib'])} | {result['ok']} |\n\n{result['message']}")
+    elif kind == "iteration":
+        s = result["seconds"]
+        print("| one iteration | NFE | rollout s | decode + reward s | update s | peak GiB | rollout TFLOP/s | "
+              "of peak | first-step ratio - 1 | skipped steps |\n|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| {result['resolution']}² | {result['nfe']} | {_num(s['rollout'])} | {_num(s['decode_and_reward'])} | "
+              f"{_num(s['update'])} | {_num(result['peak_gib'])} | {_num(result['rollout_tflops'])} | "
+              f"{_share(result['rollout_share'])} | {_num(result['ratio_deviation'])} | {result['skipped_steps']} |")
+        print(f"\n{LEVER_HEADER}\n" + "\n".join(lever_rows("baseline", result["probe"])))
+    else:
+        print(LEVER_HEADER)
+        print("\n".join(row for p in result["probes"] for row in lever_rows(result["lever"], p)))
+    for note in result.get("notes", []):
+        print(note)
+    print(f"({_num(result['wall_s'])} s wall)")
+    sys.stdout.flush()
+
+
+def clean(value):
+    """NaN and infinity become null: results.jsonl stays strict JSON."""
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def main(args: Args):
+    scale = SCALES[args.config]
+    if args.case:  # a subprocess: one case, its result on the last line
+        case = json.loads(args.case)
+        print("RESULT " + json.dumps(clean({**case, "status": "ok", **CASES[case["kind"]](scale, case)}), allow_nan=False))
+        return
+    os.makedirs(args.output_dir, exist_ok=True)
+    deadline, results = time.time() + args.budget_s, os.path.join(args.output_dir, "results.jsonl")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    print(f"# gpu_check.py --config {args.config}: {device}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+
+    def record(outcome):
+        with open(results, "a") as f:
+            f.write(json.dumps(clean({**outcome, "config": args.config, "device": device}), allow_nan=False) + "\n")
+        report(outcome)
+
+    tiny_run = start_tiny(args, scale) if "tiny" in args.parts else None
+    for case in plan(scale, args.parts):
+        if tiny_run is not None and case["kind"] != "gradient":  # the timed cases run alone on the accelerator
+            record(finish_tiny(tiny_run, deadline))
+            tiny_run = None
+        record(run_case(args, case, deadline))
+    if tiny_run is not None:
+        record(finish_tiny(tiny_run, deadline))
+    print(f"\nresults: {results}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
