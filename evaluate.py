@@ -39,13 +39,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # config.json takes precedence over these; flags take precedence over both.
 PRESETS = {
     "flux": dict(model_path="black-forest-labs/FLUX.1-dev", num_steps=16, shift=3.0, guidance=3.5, resolution=720,
-                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt",
+                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt", seeds=1,
                  metrics=["hps", "clip", "pickscore", "imagereward"]),
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", num_steps=16, shift=3.0, guidance=4.5,
-                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt",
+                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt", seeds=1,
                 metrics=["hps", "clip", "pickscore", "imagereward"]),
     "tiny": dict(model_path="", num_steps=8, shift=3.0, guidance=3.5, resolution=32, max_sequence_length=16,
-                 prompt_file="prompts/tiny_eval.txt", metrics=["shapes"]),
+                 prompt_file="prompts/tiny_eval.txt", seeds=3, metrics=["shapes"]),
 }
 SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
@@ -66,8 +66,8 @@ class BaseArgs:
     """Prompts, one a line (default: prompts/hpdv2_test.txt for flux and sd3, prompts/tiny_eval.txt for tiny)."""
     num_prompts: int = 0
     """Evaluate only the first this many prompts; 0 = all."""
-    seeds: int = 1
-    """Noise seeds per prompt (n = prompts x seeds images per model)."""
+    seeds: Optional[int] = None
+    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 3, as its training eval)."""
     metrics: list[str] = field(default_factory=list)
     """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
     hps clip pickscore imagereward; shapes for tiny)."""
@@ -95,8 +95,8 @@ class BaseArgs:
     """Prompts (seed 0) shown in grid.png, one row per model; 0 = no grid."""
     save_images: bool = False
     """Also save every image as images/<model>/<prompt>_<seed>.png."""
-    tiny_cache: str = ".cache"
-    """Where --model tiny keeps its pre-trained base model."""
+    tiny_cache: Optional[str] = None
+    """Where --model tiny keeps its pre-trained base model (default: the run's, else .cache)."""
     plot: list[str] = field(default_factory=list)
     """Instead of evaluating: plot the train and eval rewards of these runs' metrics.jsonl into curves.png."""
 
@@ -130,9 +130,9 @@ def resolve_checkpoint(path: str) -> str:
     if is_checkpoint(path):
         return path
     folder = os.path.join(path, "checkpoints")
-    found = sorted(name for name in os.listdir(folder) if name.startswith("iter_") and not name.endswith(".tmp")
-                   and ".damaged" not in name and is_checkpoint(os.path.join(folder, name))) \
-        if os.path.isdir(folder) else []
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = sorted(name for name in names if name.startswith("iter_") and not name.endswith(".tmp")
+                   and ".damaged" not in name and is_checkpoint(os.path.join(folder, name)))
     if not found:
         fail(f"--checkpoint '{path}' is neither a checkpoint (lora/ or transformer/ inside) nor a run folder with a "
              f"complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
@@ -191,7 +191,7 @@ def check_args(args):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} is negative; use 0 (all / none) or more")
     for name in ("seeds", "batch_size", "reward_batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)}: use 1 or more")
     unknown = [m for m in args.metrics if m not in rewards.REWARDS]
     if unknown:
@@ -240,13 +240,13 @@ def plan_rows(args) -> list[Row]:
 # ---------------------------------------------------------------- models
 
 
-def load_base(settings: dict, args, device, dtype):
-    """The base pipeline's adapter (models.py); the tiny family's empty path means its cached pre-trained model."""
-    import models
-
+def load_base(settings: dict, args, device, dtype, config: dict):
+    """The base pipeline's adapter (models.py); the tiny family's empty path means its cached pre-trained model
+    (in --tiny-cache, else where the run kept it)."""
     from diffusers.utils import logging as diffusers_logging
-
     from transformers.utils import logging as transformers_logging
+
+    import models
 
     diffusers_logging.disable_progress_bar()  # one bar: ours
     transformers_logging.disable_progress_bar()
@@ -254,10 +254,11 @@ def load_base(settings: dict, args, device, dtype):
     if settings["model"] == "tiny" and not path:
         import tiny
 
+        cache = args.tiny_cache or config.get("tiny_cache") or ".cache"
         if os.environ.get("RANK", "0") == "0":
-            path = tiny.ensure_pretrained(args.tiny_cache)
+            tiny.ensure_pretrained(cache)  # pre-trains once; the other ranks wait, then find it cached
         _barrier()
-        path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
+        path = tiny.ensure_pretrained(cache, log=lambda *a: None)
     try:
         return models.ADAPTERS[settings["model"]].load(
             path, device, dtype, transformer_dtype=dtype, guidance=settings["guidance"],
@@ -439,6 +440,7 @@ def evaluate(args):
     metrics = args.metrics or preset["metrics"]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
     prompts = read_prompts(prompt_file)[: args.num_prompts or None]
+    args.seeds = args.seeds or preset["seeds"]
     items = [(p, s) for s in range(args.seeds) for p in range(len(prompts))]  # seed 0 of every prompt first
     rank, world, device = setup_distributed(args)
     dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
@@ -447,7 +449,7 @@ def evaluate(args):
         metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
-    adapter = load_base(rows[0].settings, args, device, dtype)
+    adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     grid_items = sorted(range(min(args.grid_prompts, len(prompts))))
     results, grid_images = score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank, world)
     if rank == 0:

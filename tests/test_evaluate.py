@@ -98,7 +98,7 @@ def judge():
 
 def common_args(runs, out):
     return ["--checkpoint", runs["lora"], runs["full"], "--prompt-file", PROMPTS, "--num-prompts", "5",
-            "--seeds", "2", "--batch-size", "3", "--grid-prompts", "4", "--output-dir", str(out)]
+            "--batch-size", "3", "--grid-prompts", "4", "--output-dir", str(out)]
 
 
 def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folders):  # noqa: F811
@@ -106,7 +106,7 @@ def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folder
     argv = common_args(runs, out) + ["--metrics", "shapes", "clip", "unifiedreward", "pickscore",
                                      "--clip-model", open_clip_folder, "--unifiedreward-url", judge.url,
                                      "--unifiedreward-model", "judge", "--pickscore-model", hf_clip_folders[0],
-                                     "--pickscore-processor", hf_clip_folders[1], "--save-images"]
+                                     "--pickscore-processor", hf_clip_folders[1], "--seeds", "2", "--save-images"]
     code, stdout, stderr = run_main(argv)
     assert code in (0, None), stderr
     table = table_of(stdout)
