@@ -22,12 +22,12 @@ noise and data order), 8 (faults), 9 (held-out evaluation), 11 (attention kernel
 """
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from math import isfinite
 from typing import Annotated, Literal
 
 import torch
@@ -205,31 +205,30 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------------
 # Input checks: all of them, once, before anything is loaded or written
 # ---------------------------------------------------------------------------------------------------------------
-finite = math.isfinite
 # the valid range of every numeric flag (tests/test_reliability.py checks that none is missing)
 RULES = {
-    "guidance": (lambda v: finite(v) and v >= 0, ">= 0"),
+    "guidance": (lambda v: isfinite(v) and v >= 0, ">= 0"),
     "max_sequence_length": (lambda v: v >= 1, ">= 1"),
     "lora_rank": (lambda v: v >= 0, ">= 0 (0 = full fine-tune)"),
-    "lora_alpha": (lambda v: finite(v) and v >= 0, ">= 0 (0 = the rank)"),
+    "lora_alpha": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = the rank)"),
     "resolution": (lambda v: v >= 4, ">= 4"),
     "num_steps": (lambda v: v >= 1, ">= 1"),
-    "shift": (lambda v: finite(v) and v > 0, "> 0 (reference 3)"),
-    "eta": (lambda v: finite(v) and v > 0, "> 0: the SDE step needs eta > 0 (typ. 0.7)"),
+    "shift": (lambda v: isfinite(v) and v > 0, "> 0 (reference 3)"),
+    "eta": (lambda v: isfinite(v) and v > 0, "> 0: the SDE step needs eta > 0 (typ. 0.7)"),
     "group_size": (lambda v: v >= 2, ">= 2: a group needs at least 2 samples to normalise rewards"),
     "prompts_per_iteration": (lambda v: v >= 0, ">= 0 (0 = one per rank)"),
     "max_batch": (lambda v: v >= 1, ">= 1"),
     "reward_batch_size": (lambda v: v >= 1, ">= 1"),
     "num_iterations": (lambda v: v >= 1, ">= 1"),
-    "lr": (lambda v: finite(v) and v > 0, "a finite number > 0 (typ. 2e-6 full, 1e-4 LoRA)"),
-    "weight_decay": (lambda v: finite(v) and v >= 0, ">= 0"),
-    "clip_range": (lambda v: finite(v) and v > 0, "> 0 (reference 1e-4)"),
-    "adv_clip_max": (lambda v: finite(v) and v > 0, "> 0 (reference 5)"),
-    "max_grad_norm": (lambda v: finite(v) and v > 0, "> 0 (reference 1)"),
+    "lr": (lambda v: isfinite(v) and v > 0, "a finite number > 0 (typ. 2e-6 full, 1e-4 LoRA)"),
+    "weight_decay": (lambda v: isfinite(v) and v >= 0, ">= 0"),
+    "clip_range": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1e-4)"),
+    "adv_clip_max": (lambda v: isfinite(v) and v > 0, "> 0 (reference 5)"),
+    "max_grad_norm": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1)"),
     "window_size": (lambda v: v >= 1, ">= 1"),
     "window_stride": (lambda v: v >= 1, ">= 1"),
     "window_every": (lambda v: v >= 1, ">= 1"),
-    "kl_beta": (lambda v: finite(v) and v >= 0, ">= 0 (0 = no KL term)"),
+    "kl_beta": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = no KL term)"),
     "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1) (0 = no EMA)"),
     "ema_every": (lambda v: v >= 1, ">= 1"),
     "max_faults": (lambda v: v >= 1, ">= 1"),
@@ -237,7 +236,7 @@ RULES = {
     "eval_seeds": (lambda v: v >= 1, ">= 1"),
     "checkpoint_every": (lambda v: v >= 1, ">= 1"),
     "seed": (lambda v: v >= 0, ">= 0"),
-    "dist_timeout_minutes": (lambda v: finite(v) and v > 0, "> 0"),
+    "dist_timeout_minutes": (lambda v: isfinite(v) and v > 0, "> 0"),
 }
 
 
@@ -291,7 +290,7 @@ def validate(args, world: int, log=print):
              f"use a multiple of {world}", master)
     if args.resume and args.overwrite:
         fail("--resume and --overwrite contradict each other; pass one", master)
-    if args.log_with != "none" and importlib.util.find_spec({"wandb": "wandb"}.get(args.log_with, "tensorboard")) is None:
+    if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
         fail(f"--log-with {args.log_with} needs its package: pip install {args.log_with}", master)
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
         fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
@@ -481,18 +480,18 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
     J, K = rollout.final_latents.shape[1:3]
-    rewards_ = score(args, policy, rollout.final_latents.flatten(0, 3), [p for p in batch for _ in range(J * K * G)])
-    rewards_ = rewards_.view(B, J, K, G, -1)  # (B, J, K, G, R)
-    metrics = reward_metrics(args, policy, rollout, rewards_, batch)
+    scores = score(args, policy, rollout.final_latents.flatten(0, 3), [p for p in batch for _ in range(J * K * G)])
+    scores = scores.view(B, J, K, G, -1)  # (B, J, K, G, R)
+    metrics = reward_metrics(args, policy, rollout, scores, batch)
     t2 = time.time()
 
     # 4. advantages: normalised per (reward, granularity, step) within each group, summed, clamped
     weights = torch.tensor(list(policy.reward_weights.values()))
-    advantages = granular_advantages(rewards_, adv_clip_max=args.adv_clip_max, weights=weights)  # (B, K or 1, G)
+    advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights)  # (B, K or 1, G)
     advantages = advantages.expand(B, len(steps), G).to(noise.device)  # (B, K, G)
 
     # 5. the clipped policy update, taken on every rank or on none
-    finite_rewards = not any_rank(not bool(torch.isfinite(rewards_).all()), distributed)
+    finite_rewards = not any_rank(not bool(torch.isfinite(scores).all()), distributed)
     if finite_rewards:
         if first_update_check is not None:
             first_update_check(velocity_fn(args, policy, policy.model, cond), rollout, advantages)
@@ -522,13 +521,13 @@ def trained_steps(args, it):
                         every=args.window_every, random=args.window_random, seed=args.seed)
 
 
-def reward_metrics(args, policy, rollout, rewards_, batch):
+def reward_metrics(args, policy, rollout, scores, batch):
     """Mean raw reward per model (and per granularity), and the anchor's reward (logged, not trained on)."""
     metrics = {}
     for r, name in enumerate(policy.reward_fns):
-        metrics[f"train/reward/{name}"] = float(rewards_[..., r].mean())
+        metrics[f"train/reward/{name}"] = float(scores[..., r].mean())
         for j, g in enumerate(args.granularities if args.sampling == "g2rpo" else []):
-            metrics[f"train/reward/{name}/g{g}"] = float(rewards_[:, j, ..., r].mean())
+            metrics[f"train/reward/{name}/g{g}"] = float(scores[:, j, ..., r].mean())
     if rollout.anchor_final is not None:
         anchor = score(args, policy, rollout.anchor_final, batch)  # (B, R)
         metrics.update({f"train/anchor_reward/{name}": float(anchor[:, r].mean())
