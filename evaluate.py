@@ -39,13 +39,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # config.json takes precedence over these; flags take precedence over both.
 PRESETS = {
     "flux": dict(model_path="black-forest-labs/FLUX.1-dev", num_steps=16, shift=3.0, guidance=3.5, resolution=720,
-                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt", seeds=1,
+                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt", seeds=1, batch_size=8,
                  metrics=["hps", "clip", "pickscore", "imagereward"]),
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", num_steps=16, shift=3.0, guidance=4.5,
-                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt", seeds=1,
+                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt", seeds=1, batch_size=8,
                 metrics=["hps", "clip", "pickscore", "imagereward"]),
     "tiny": dict(model_path="", num_steps=8, shift=3.0, guidance=3.5, resolution=32, max_sequence_length=16,
-                 prompt_file="prompts/tiny_eval.txt", seeds=3, metrics=["shapes"]),
+                 prompt_file="prompts/tiny_eval.txt", seeds=3, batch_size=64, metrics=["shapes"]),
 }
 SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
@@ -81,8 +81,8 @@ class BaseArgs:
     """Image side in pixels (default: the checkpoint run's)."""
     max_sequence_length: Optional[int] = None
     """T5 tokens per prompt (default: the checkpoint run's)."""
-    batch_size: int = 8
-    """Images generated per transformer call."""
+    batch_size: Optional[int] = None
+    """Images generated per transformer call (default 8; tiny: 64)."""
     reward_batch_size: int = 16
     """Images per metric call."""
     mixed_precision: Literal["bf16", "no"] = "bf16"
@@ -440,7 +440,7 @@ def evaluate(args):
     metrics = args.metrics or preset["metrics"]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
     prompts = read_prompts(prompt_file)[: args.num_prompts or None]
-    args.seeds = args.seeds or preset["seeds"]
+    args.seeds, args.batch_size = args.seeds or preset["seeds"], args.batch_size or preset["batch_size"]
     items = [(p, s) for s in range(args.seeds) for p in range(len(prompts))]  # seed 0 of every prompt first
     rank, world, device = setup_distributed(args)
     dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
