@@ -16,7 +16,7 @@ called, with its attention kernels and compilation), `models.add_lora` (the trai
                 at 512^2 and 720^2: timed rollout forwards and update steps, their TFLOP/s and share of peak, and
                 the seconds per phase of one iteration projected from them.
 FLOPs come from torch.utils.flop_counter on one forward (rollout) and one update step (forward, checkpoint
-recompute and backward, as executed). Each case runs in a subprocess of its own (a CUDA error poisons the
+recompute and backward, as executed). On CUDA each case runs in a subprocess of its own (a CUDA error poisons the
 process that meets it); results are appended to `results.jsonl` and printed as markdown tables as they come. A
 case that would start past `--budget-s` is skipped and says so.
 
@@ -85,7 +85,7 @@ SCALES = {
                   "inductor", ["--model", "tiny", "--num-iterations", "20"],
                   dict(tiny=300, gradient=150, iteration=330, lever=150)),
     "small": Scale(SMALL, SMALL_VAE, 16, 32, (32,), 4, 3, (0, 1), (1, 2), 8, (4, 8), 4, "aot_eager",
-                   ["--model", "flux", "--num-iterations", "2", "--resolution", "32", "--num-steps", "4",
+                   ["--model", "flux", "--num-iterations", "1", "--resolution", "32", "--num-steps", "4",
                     "--group-size", "3", "--sde-steps", "0", "1", "--granularities", "1", "2",
                     "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
                     "--prompt-file", "prompts/tiny_train.txt", "--eval-prompt-file", "prompts/tiny_eval.txt",
@@ -105,6 +105,9 @@ class Args:
     """Where results.jsonl (one JSON object per case, appended) and the tiny run go."""
     budget_s: float = 460.0
     """Wall-clock budget of the whole check: a case that would start past it is skipped, one running past it stopped."""
+    isolate: bool | None = None
+    """Run each case in a subprocess of its own; default: on CUDA, where an error poisons the process that meets
+    it, and not on a CPU, where importing torch and diffusers again for every case would take most of the time."""
     case: str = ""
     """Internal: one case as JSON, run in this process and appended to results.jsonl (what each subprocess runs)."""
 
@@ -373,11 +376,14 @@ def plan(scale: Scale, parts) -> list:
     return cases
 
 
-def run_case(args: Args, case: dict, deadline: float) -> dict:
-    """`case` in a subprocess of this script; its result, or why there is none."""
+def run_case(args: Args, case: dict, deadline: float, isolate: bool) -> dict:
+    """`case` in a subprocess of this script (or in this process); its result, or why there is none."""
     timeout = min(SCALES[args.config].timeouts[case["kind"]], deadline - time.time())
     if timeout < 15:
         return {**case, "status": "skipped: over the time budget (--budget-s)"}
+    if not isolate:
+        start = time.time()
+        return {**case, "status": "ok", **CASES[case["kind"]](SCALES[args.config], case), "wall_s": time.time() - start}
     command = [sys.executable, os.path.join(HERE, "gpu_check.py"), "--config", args.config, "--case", json.dumps(case)]
     start = time.time()
     try:
@@ -521,12 +527,13 @@ def main(args: Args):
             f.write(json.dumps(clean({**outcome, "config": args.config, "device": device}), allow_nan=False) + "\n")
         report(outcome)
 
+    isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
     tiny_run = start_tiny(args, scale) if "tiny" in args.parts else None
     for case in plan(scale, args.parts):
         if tiny_run is not None and case["kind"] != "gradient":  # the timed cases run alone on the accelerator
             record(finish_tiny(tiny_run, deadline))
             tiny_run = None
-        record(run_case(args, case, deadline))
+        record(run_case(args, case, deadline, isolate))
     if tiny_run is not None:
         record(finish_tiny(tiny_run, deadline))
     print(f"\nresults: {results}")

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -189,3 +190,46 @@ def test_add_lora_keeps_the_frozen_base_and_trains_fp32_lora():
     assert all(p.dtype == torch.bfloat16 for p in frozen)
     assert not any("ff." in n or "proj_mlp" in n for n in trained)
     assert any("to_add_out" in n for n in trained)
+
+
+def test_gpu_check_small_config_end_to_end(tmp_path):
+    """gpu_check.py --config small on the CPU: every part runs through the trainer's code and is recorded."""
+    out = str(tmp_path / "check")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_check.py"), "--config", "small", "--output-dir", out],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "results.jsonl")) as f:
+        results = {(r["kind"], r.get("lever")): r for r in map(json.loads, f)}
+    assert all(r["status"] == "ok" for r in results.values()), [r["status"] for r in results.values()]
+    assert set(results) == {("gradient", None), ("tiny", None), ("iteration", None),
+                            ("lever", "rollout attention cudnn"), ("lever", "compile (aot_eager)")}
+    assert results["gradient", None]["ok"] and results["gradient", None]["skipped_steps"] == 0
+    assert results["tiny", None]["skipped_steps"] == 0 and results["tiny", None]["iterations"] == 1
+    iteration = results["iteration", None]
+    assert iteration["nfe"] > 0 and iteration["skipped_steps"] == 0 and iteration["ratio_deviation"] < 1e-5
+    assert all(iteration["seconds"][phase] > 0 for phase in ("rollout", "decode_and_reward", "update"))
+    assert [f["max_batch"] for f in iteration["probe"]["forwards"]] == [4, 8]
+    compiled = results["lever", "compile (aot_eager)"]["probes"][0]
+    assert compiled["forwards"][0]["rollout_tflops"] > 0 and compiled["update_s_per_step"] > 0
+    assert "note: attention backend cudnn needs CUDA" in proc.stdout and "| compile (aot_eager) | 32 |" in proc.stdout
+
+
+def test_gpu_check_runs_a_case_in_a_subprocess():
+    """On CUDA every case runs this way: the subprocess's last line carries its result."""
+    import gpu_check
+
+    args = gpu_check.Args(config="small")
+    result = gpu_check.run_case(args, dict(kind="gradient", resolution=32), time.time() + 300, isolate=True)
+    assert result["status"] == "ok" and result["ok"] and result["cosine"] > 0.9999 and result["wall_s"] > 0
+
+
+def test_gpu_check_skips_cases_past_its_budget(tmp_path, capsys):
+    import gpu_check
+
+    gpu_check.main(gpu_check.Args(config="small", parts=("gradient", "iteration"), output_dir=str(tmp_path),
+                                  budget_s=5.0))
+    with open(tmp_path / "results.jsonl") as f:
+        statuses = [json.loads(line)["status"] for line in f]
+    assert statuses == ["skipped: over the time budget (--budget-s)"] * 2
+    assert "**gradient **: skipped" in capsys.readouterr().out
