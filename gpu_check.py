@@ -29,13 +29,11 @@ Run:
     python gpu_check.py --config small   # CPU, about a minute: the same code on a tiny transformer
 """
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -113,7 +111,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# building blocks, used inside a case's subprocess
+# building blocks of the cases
 # ---------------------------------------------------------------------------------------------------------------
 def device_and_dtype():
     return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -149,9 +147,10 @@ def build(scale: Scale, options: dict):
     models.add_lora(transformer, rank=scale.lora_rank, alpha=0, feed_forward=False)
     transformer.enable_gradient_checkpointing()
     config = scale.transformer
-    cond = {"prompt_embeds": torch.randn(1, scale.text_tokens, config["joint_attention_dim"], device=device, dtype=dtype),
-            "pooled": torch.randn(1, config["pooled_projection_dim"], device=device, dtype=dtype),
-            "text_ids": torch.zeros(scale.text_tokens, 3, device=device)}  # (1, T, D), (1, D'), (T, 3)
+    T, D, D_pooled = scale.text_tokens, config["joint_attention_dim"], config["pooled_projection_dim"]
+    cond = {"prompt_embeds": torch.randn(1, T, D, device=device, dtype=dtype),  # (1, T, D)
+            "pooled": torch.randn(1, D_pooled, device=device, dtype=dtype),  # (1, D')
+            "text_ids": torch.zeros(T, 3, device=device)}  # (T, 3)
     return adapter, cond, [p for p in transformer.parameters() if p.requires_grad]
 
 
@@ -184,9 +183,9 @@ def one_step_rollout(velocity_fn, noise, sigmas, group_size, eta):
     update reads), for the checks that need an update but not a whole rollout."""
     from sampler import Rollout, sde_step
 
-    G = group_size
+    G, index = group_size, torch.zeros(1, dtype=torch.long, device=noise.device)
     with torch.no_grad():
-        velocity = velocity_fn(noise, sigmas[:1].to(noise.device), torch.zeros(1, dtype=torch.long, device=noise.device))
+        velocity = velocity_fn(noise, sigmas[:1].to(noise.device), index)  # (1, ...)
         member_noise = torch.randn((G, *noise.shape[1:]), generator=torch.Generator().manual_seed(1)).to(noise.device)
         next_latents, log_probs = sde_step(noise.expand(G, *noise.shape[1:]), velocity.expand(G, *noise.shape[1:]),
                                            sigmas, 0, eta, noise=member_noise)  # (G, ...), (G,)
@@ -202,7 +201,8 @@ def update_loss(velocity_fn, rollout, advantages, sigmas, eta):
     from g2rpo import clipped_loss
     from sampler import sde_step
 
-    k, start, targets = rollout.sde_steps[0], rollout.latents[:1, 0, 0], rollout.next_latents[0, 0]  # (1, ...), (G, ...)
+    k = rollout.sde_steps[0]
+    start, targets = rollout.latents[:1, 0, 0], rollout.next_latents[0, 0]  # (1, ...), (G, ...)
     G, index = targets.shape[0], torch.zeros(1, dtype=torch.long, device=start.device)
 
     def loss_fn():
@@ -225,13 +225,13 @@ def share_of_peak(flops_per_s):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the cases, each run in a subprocess of its own
+# the cases (on CUDA each runs in a subprocess of its own)
 # ---------------------------------------------------------------------------------------------------------------
 ETA, CLIP_RANGE, SHIFT = 0.7, 1e-4, 3.0  # the reference's eta, clip range and time shift
 
 
 def decode_and_reward(adapter, final_latents, resolution, chunk=8):
-    """Every final latent (B, J, K, G, ...) decoded by the VAE and scored by the tiny world's pixel rule: (B, J, K, G)."""
+    """Every final latent (B, J, K, G, ...) decoded by the VAE, scored by the tiny world's pixel rule: (B, J, K, G)."""
     import tiny
 
     flat = final_latents.flatten(0, 3)  # (B*J*K*G, L, 4C)
@@ -458,7 +458,8 @@ def lever_rows(name: str, probe_result: dict) -> list:
             f"{_num(f['rollout_tflops'])} | {_share(f['rollout_share'])} | {_num(p['update_s_per_step'])} | "
             f"{_num(p['update_tflops'])} | {_share(p['update_share'])} | "
             f"{' / '.join(_num(s, 3) for s in f['projected_s'].values())} | "
-            f"{_num(f['warmup_s'])} / {_num(p['update_warmup_s'])} | {_num(p['ratio_deviation'])} |" for f in p["forwards"]]
+            f"{_num(f['warmup_s'])} / {_num(p['update_warmup_s'])} | {_num(p['ratio_deviation'])} |"
+            for f in p["forwards"]]
 
 
 LEVER_HEADER = ("| lever | resolution | max batch | rollout s/image | TFLOP/s | of peak | update s/step | TFLOP/s | "
@@ -515,7 +516,8 @@ def main(args: Args):
     scale = SCALES[args.config]
     if args.case:  # a subprocess: one case, its result on the last line
         case = json.loads(args.case)
-        print("RESULT " + json.dumps(clean({**case, "status": "ok", **CASES[case["kind"]](scale, case)}), allow_nan=False))
+        result = {**case, "status": "ok", **CASES[case["kind"]](scale, case)}
+        print("RESULT " + json.dumps(clean(result), allow_nan=False))
         return
     os.makedirs(args.output_dir, exist_ok=True)
     deadline, results = time.time() + args.budget_s, os.path.join(args.output_dir, "results.jsonl")

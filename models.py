@@ -228,7 +228,8 @@ class Adapter:
         """At the first call, after LoRA, DDP or FSDP2 have wrapped the transformer: compile its repeated blocks if
         asked; and whenever gradient checkpointing is on, make its recompute keep the forward's kernels."""
         t = self.transformer
-        if getattr(t, "gradient_checkpointing", False) and t._gradient_checkpointing_func is not checkpoint_keeping_kernels:
+        checkpointing = getattr(t, "gradient_checkpointing", False)
+        if checkpointing and t._gradient_checkpointing_func is not checkpoint_keeping_kernels:
             t.enable_gradient_checkpointing(checkpoint_keeping_kernels)
         if self.compile and not self._compiled:
             compile_blocks(t, "inductor" if self.compile is True else self.compile)

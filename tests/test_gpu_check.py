@@ -195,8 +195,8 @@ def test_add_lora_keeps_the_frozen_base_and_trains_fp32_lora():
 def test_gpu_check_small_config_end_to_end(tmp_path):
     """gpu_check.py --config small on the CPU: every part runs through the trainer's code and is recorded."""
     out = str(tmp_path / "check")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "gpu_check.py"), "--config", "small", "--output-dir", out],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+    command = [sys.executable, os.path.join(ROOT, "gpu_check.py"), "--config", "small", "--output-dir", out]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "results.jsonl")) as f:
