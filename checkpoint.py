@@ -306,7 +306,11 @@ def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora
     from safetensors.torch import save_file
 
     if lora:
-        pipeline_class.save_lora_weights(os.path.join(tmp, "lora"), transformer_lora_layers=weights)
+        # the adapter's config (rank, alpha, targets) goes into the file's metadata, so that stock diffusers'
+        # load_lora_weights applies the trained scale alpha / rank rather than assuming alpha = rank
+        metadata = transformer.peft_config["default"].to_dict()
+        pipeline_class.save_lora_weights(os.path.join(tmp, "lora"), transformer_lora_layers=weights,
+                                         transformer_lora_adapter_metadata=metadata)
     else:
         from huggingface_hub import save_torch_state_dict
 

@@ -225,13 +225,14 @@ def shapes(device, dtype, batch_size, paths):
 
 # The pointwise question UnifiedReward models were trained to answer (worded as their authors publish it, since a
 # judge's scores depend on its prompt); the reply ends with "Final Score: <1-5>".
+# The judge's question, in this project's words: the caption, then the two criteria UnifiedReward is trained to
+# weigh (faithfulness to the caption, visual quality) and the "Final Score:" line its replies end with. Its authors
+# publish their own wording; pass it with --unifiedreward-question-file to follow their protocol exactly.
 UNIFIEDREWARD_QUESTION = (
-    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
-    "this image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with "
-    "the provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as "
-    "described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including "
-    "clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, "
-    "assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]")
+    "<image>\nThis image was generated from the text caption below. Judge it on two things. First, faithfulness: "
+    "does it show what the caption describes, with the right objects, attributes and relations between them? "
+    "Second, quality: is it sharp and detailed, with accurate colours and an appealing overall look? Weigh both "
+    "and give a score from 1 to 5 after 'Final Score:'.\nText Caption: [{prompt}]")
 
 
 def chat_completions_url(url: str) -> str:
@@ -305,11 +306,18 @@ def unifiedreward(device, dtype, batch_size, paths):
     from concurrent.futures import ThreadPoolExecutor
 
     url, model = chat_completions_url(paths["unifiedreward_url"]), paths["unifiedreward_model"]
+    question = UNIFIEDREWARD_QUESTION
+    if paths["unifiedreward_question_file"]:
+        with open(_resolve_file(paths["unifiedreward_question_file"], "the judge's question file", "your own copy"),
+                  encoding="utf-8") as f:
+            question = f.read()
+        if "{prompt}" not in question:
+            raise RewardError("the judge's question file must mark the caption with {prompt}")
     _check_server(url)
 
     def ask(image, prompt):
         content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                   {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]
+                   {"type": "text", "text": question.replace("{prompt}", prompt)}]
         reply = _post_json(url, {"model": model, "temperature": 0.0, "max_tokens": 1024,
                                  "messages": [{"role": "user", "content": content}]}, timeout=300)
         try:
@@ -362,6 +370,8 @@ REWARDS: dict[str, Reward] = {
                               "OpenAI-compatible server of the UnifiedReward judge: base URL or chat-completions URL."),
         "unifiedreward_model": ("CodeGoat24/UnifiedReward-7b-v1.5",
                                 "The judge's model name as the server knows it (vLLM: the served model name)."),
+        "unifiedreward_question_file": ("", "A text file with the judge's question, {prompt} marking the caption; "
+                                            "empty: this project's wording."),
     }),
     "shapes": Reward(shapes),
 }

@@ -77,8 +77,8 @@ class TrainArgs:
     """torch.compile the transformer's repeated blocks (regional compilation): a faster rollout and update after a
     compile of a minute or so on the first iteration."""
     gradient_check: bool = True
-    """On an accelerator, compare the first update's gradient with the math attention kernel's and stop the run
-    if they disagree (a wrong kernel would otherwise skip or corrupt every step)."""
+    """Compare the first update's gradient with the math attention kernel's (and fp32's) and stop the run if they
+    disagree: a wrong kernel would otherwise skip or corrupt every step of a long GPU run."""
     # --- data and output ---
     prompt_file: str = "prompts/hpdv2_train.txt"
     """Training prompts, one a line (python prompts/hpdv2.py writes HPDv2's)."""
@@ -620,18 +620,19 @@ def train(args, policy, run, prompts, eval_prompts, start, rank, world, distribu
 
 
 def gradient_check(args, policy, sigmas, log):
-    """On an accelerator, a closure that checks the first update's gradient against the math attention kernel's
-    and stops the run with one line when they disagree; None on the CPU or when turned off."""
-    if not args.gradient_check or policy.adapter.device.type == "cpu":
+    """A closure that checks the first update's gradient against the math attention kernel's (and fp32's where
+    the run is bf16 on fp32 weights) and stops the run with one line when they disagree; None when turned off.
+    It costs two or three forward-backward passes of one sample, once, and matters on accelerators, where the
+    fast kernels live (on the CPU it passes trivially)."""
+    if not args.gradient_check:
         return None
-    from models import check_gradient
 
     def check(update_velocity, rollout, advantages):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
         k, members = rollout.sde_steps[0], rollout.next_latents.shape[2] // rollout.latents.shape[2]
         start = rollout.latents[:1, 0, 0]  # (1, ...)
 
-        def loss_fn():
+        def loss_fn():  # deterministic: it runs under each kernel in turn
             prompt_index = torch.zeros(1, dtype=torch.long, device=start.device)
             velocity = update_velocity(start, sigmas[k].expand(1).to(start.device), prompt_index)  # (1, ...)
             shape = (members, *start.shape[1:])
@@ -639,7 +640,7 @@ def gradient_check(args, policy, sigmas, log):
                                     next_latents=rollout.next_latents[0, 0, :members])  # (G/S,)
             return -log_probs.mean()
 
-        result = check_gradient(loss_fn, policy.params)
+        result = policy.adapter.check_gradient(loss_fn, policy.params)
         if not result.ok:
             raise SystemExit(f"error: gradient self-check failed: {result.message}")
         log(f"gradient self-check passed: {result.message}")

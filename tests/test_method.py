@@ -220,7 +220,7 @@ def test_mixed_rollout_sde_only_in_the_window(window):
     assert out.latents.shape == (B, len(window), G, 6) and out.final_latents.shape == (B, 1, 1, G, 6)
     assert torch.equal(out.latents[:, 0, 0], out.latents[:, 0, 1])  # the window opens on the shared ODE latent
     assert not torch.allclose(out.final_latents[:, 0, 0, 0], out.final_latents[:, 0, 0, 1])
-    # outside the window the members follow the ODE: identical noise-free steps, so the full-SDE rollout differs
+    # the full-SDE baseline pays every step for every member
     full = rollout_full_sde(net, torch.randn(B, 6), sigma_schedule(N, 3.0), generators(B), group_size=G,
                             sde_steps=window, eta=0.7)
     assert full.nfe == B * G * N

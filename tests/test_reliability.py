@@ -230,6 +230,7 @@ def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys)
     assert [r.get("faults/nonfinite_rewards") for r in rows[1:]] == [0.0, 1.0, 1.0, 1.0]
     assert os.listdir(out / "checkpoints") == ["iter_000001"]
     assert "losses/loss" not in rows[2]  # the update was skipped
+    assert capsys.readouterr().out.count("warning: an optimizer step was skipped: the rewards were not finite") == 1
 
 
 def test_a_failing_rank_stops_every_rank(flux_path, tmp_path):
@@ -324,3 +325,21 @@ def test_a_run_that_never_steps_exits_non_zero(base, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         train.main(train.parse_args([*base, "--num-iterations", "2", "--max-faults", "5"]))
     assert "no optimizer step succeeded" in str(exit_info.value.code)
+
+
+def test_a_wrong_gradient_stops_the_first_update(base, monkeypatch, tmp_path):
+    from test_gpu_check import BrokenKernelProcessor  # right forward, wrong backward unless the math kernel runs
+
+    build = train.build_policy
+
+    def build_with_a_broken_kernel(*args, **kwargs):
+        policy = build(*args, **kwargs)
+        policy.transformer.set_attn_processor(BrokenKernelProcessor())
+        return policy
+
+    monkeypatch.setattr(train, "build_policy", build_with_a_broken_kernel)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(train.parse_args([*base, "--num-iterations", "2", "--lora-rank", "4"]))
+    message = str(exit_info.value.code)
+    assert message.startswith("error: gradient self-check failed") and "--attention-backend math" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the first optimizer step

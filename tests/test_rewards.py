@@ -298,3 +298,21 @@ def test_unifiedreward_client_against_a_local_server(monkeypatch):
     with pytest.raises(RewardError, match="no judge answering at http://127.0.0.1:9/v1/chat/completions"):
         load_reward("unifiedreward", paths={"unifiedreward_url": "http://127.0.0.1:9/v1"})
     assert rewards.parse_judge_score("**Final Score:** 4.5\nFinal Score: 3") == 3.0
+
+
+def test_unifiedreward_question_from_a_file(tmp_path):
+    question = tmp_path / "question.txt"
+    question.write_text("<image>\nScore this picture of {prompt}.\nText Caption: [{prompt}]")
+    server = JudgeServer(fail_first=0)
+    try:
+        fn = load_reward("unifiedreward", paths={"unifiedreward_url": server.url,
+                                                 "unifiedreward_question_file": str(question)})
+        fn(smooth_images(n=1, h=32, w=32), ["a red circle"])
+        _, body = server.requests[-1]
+        assert body["messages"][0]["content"][1]["text"].startswith("<image>\nScore this picture of a red circle.")
+    finally:
+        server.close()
+    question.write_text("no caption marker")
+    with pytest.raises(RewardError, match=r"\{prompt\}"):
+        load_reward("unifiedreward", paths={"unifiedreward_url": "http://127.0.0.1:9/v1",
+                                             "unifiedreward_question_file": str(question)})

@@ -51,7 +51,7 @@ def test_saved_weights_load_into_stock_diffusers(flux_path, tmp_path):
 
     lora_out, full_out = str(tmp_path / "lora"), str(tmp_path / "full")
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "1", "--lr", "5e-2", *QUICK]
-    run_train([*common, "--output-dir", lora_out, "--lora-rank", "4"])
+    run_train([*common, "--output-dir", lora_out, "--lora-rank", "4", "--lora-alpha", "8"])
     run_train([*common, "--output-dir", full_out])
 
     pipe = FluxPipeline.from_pretrained(flux_path)
@@ -60,6 +60,8 @@ def test_saved_weights_load_into_stock_diffusers(flux_path, tmp_path):
                   max_sequence_length=16, output_type="pt")
     base = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     pipe.load_lora_weights(os.path.join(lora_out, "checkpoints", "iter_000001", "lora"))
+    config = next(iter(pipe.transformer.peft_config.values()))
+    assert (config.r, config.lora_alpha) == (4, 8)  # the trained scale travels in the file's metadata
     tuned = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert not torch.allclose(base, tuned, atol=1e-4)
 
