@@ -54,7 +54,8 @@ def part1():
         sigmas, gens = sigma_schedule(16, 3.0), [torch.Generator().manual_seed(0)]
         kw = dict(group_size=12, sde_steps=list(range(8)), granularities=grans, eta=0.7)
         ours = rollout_g2rpo(zero_velocity, torch.zeros(1, 4), sigmas, gens, **kw, max_batch=4096)
-        ref = rollout_g2rpo_reference(zero_velocity, torch.zeros(1, 4), sigmas, [torch.Generator().manual_seed(0)], **kw)
+        ref = rollout_g2rpo_reference(zero_velocity, torch.zeros(1, 4), sigmas, [torch.Generator().manual_seed(0)],
+                                      **kw)
         label = f"G 12, N 16, M 0..7, Lambda {set(grans)}"
         rows.append(("G2RPO reference code", label, ref.nfe, ref.calls, 8))
         rows.append(("G2RPO, this project", label, ours.nfe, ours.calls, 8))

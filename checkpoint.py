@@ -49,7 +49,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 # config fields that must match for a resume to continue the same run
-RESUME_KEYS = ["model", "model_path", "lora_rank", "resolution", "group_size", "num_steps", "shift", "sde_steps",
+RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance", "max_sequence_length",
+               "eta", "resolution", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
                "window_every", "window_random", "kl_beta", "ema_decay", "ema_every"]
 MANIFEST = "manifest.json"
@@ -318,7 +319,8 @@ def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora
         save_torch_state_dict({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "transformer"),
                               filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size="10GB")
     for name, state in (extra or {}).items():
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, os.path.join(tmp, f"{name}.safetensors"))
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        save_file(tensors, os.path.join(tmp, f"{name}.safetensors"))
     torch.save({"iteration": iteration, "optimizer": optim_state, "config": config}, os.path.join(tmp, "trainer.pt"))
 
 

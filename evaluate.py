@@ -6,8 +6,10 @@ with the deterministic sampler (Euler ODE, eta = 0) from the same initial noise,
 `--metrics` (a reward of rewards.py) scores every image. The table gives, per model and metric, the mean over all
 (prompt, seed) images and its standard error std / sqrt(n), in the paper's units (PickScore / 100).
 
-Noise: image (prompt p, seed s) starts from torch.Generator().manual_seed(1_000_000 + 1000 s + p), the noise of
-train.py's held-out evaluation, so `--seeds` equal to the run's `eval_seeds` reproduces its `eval/reward/*`.
+Noise: image (prompt p, seed s) starts from `run.eval_noise_generator(p, s)`, the noise of train.py's held-out
+evaluation, so `--seeds` equal to the run's `eval_seeds` reproduces its `eval/reward/*` on the CPU, for a run
+without --ema-decay (train.py then evaluates the EMA weights; this script loads the trained ones) and up to
+precision on a GPU (this script keeps the transformer in bf16, training keeps fp32 master weights).
 
 Run:
     python evaluate.py --model tiny --checkpoint runs/tiny                # base vs trained, held-out tiny prompts
@@ -23,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Literal, Optional
@@ -32,6 +33,7 @@ import torch
 import tyro
 
 import rewards
+from run import eval_noise_generator, fail, read_prompts
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -110,13 +112,6 @@ def _reward_path_fields():
 Args = dataclasses.make_dataclass("Args", _reward_path_fields(), bases=(BaseArgs,))
 
 
-def fail(message: str):
-    """Bad input: one line (from the first rank only), exit status 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 # ---------------------------------------------------------------- inputs: checkpoints, settings, prompts
 
 
@@ -171,19 +166,6 @@ def check_settings(s: dict, where: str):
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
     if s["resolution"] < multiple or s["resolution"] % multiple:
         fail(f"{where}: resolution {s['resolution']} is not a positive multiple of {multiple}")
-
-
-def read_prompts(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        from prompts.hpdv2 import how_to_write
-
-        hint = how_to_write(path)
-        fail(f"prompt file '{path}' not found; " + (hint if hint else "pass --prompt-file, one prompt a line"))
-    with open(path, encoding="utf-8", errors="replace") as f:
-        prompts = [line.strip() for line in f if line.strip()]
-    if not prompts:
-        fail(f"prompt file '{path}' holds no prompts")
-    return prompts
 
 
 def check_args(args):
@@ -311,11 +293,6 @@ class CheckpointWeights:
 # ---------------------------------------------------------------- sampling and scoring
 
 
-def noise_generator(prompt_index: int, seed_index: int) -> torch.Generator:
-    """The noise of image (p, s): train.py's held-out evaluation uses the same seeds."""
-    return torch.Generator().manual_seed(1_000_000 + 1000 * seed_index + prompt_index)
-
-
 @torch.no_grad()
 def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_size, on_images, bar):
     """Sample every item (prompt index, seed index) with the ODE sampler and score it: {metric: [score]}."""
@@ -328,7 +305,7 @@ def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_si
         chunk = items[start : start + batch_size]
         texts = [prompts[p] for p, _ in chunk]
         cond = adapter.encode(texts)
-        noise = adapter.noise([noise_generator(p, s) for p, s in chunk], resolution)  # (b, ...)
+        noise = adapter.noise([eval_noise_generator(p, s) for p, s in chunk], resolution)  # (b, ...)
         velocity = lambda x, sigma, idx: adapter.velocity(module, cond, x, sigma, idx, resolution)
         x0, _, _ = ode_sample(velocity, noise, sigmas, max_batch=batch_size)
         images = adapter.decode(x0, resolution)  # (b, 3, H, W) in [0, 1]
@@ -439,7 +416,7 @@ def evaluate(args):
     preset = PRESETS[rows[0].settings["model"]]
     metrics = args.metrics or preset["metrics"]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
-    prompts = read_prompts(prompt_file)[: args.num_prompts or None]
+    prompts = read_prompts(prompt_file, "--prompt-file")[: args.num_prompts or None]
     args.seeds, args.batch_size = args.seeds or preset["seeds"], args.batch_size or preset["batch_size"]
     items = [(p, s) for s in range(args.seeds) for p in range(len(prompts))]  # seed 0 of every prompt first
     rank, world, device = setup_distributed(args)
@@ -526,17 +503,12 @@ def save_image(output_dir, row_name, item, image):
 def read_metrics(run: str) -> list[dict]:
     """A run's metrics.jsonl rows sorted by iteration, the last row of each iteration kept (a resume may repeat
     one), lines cut by a crash skipped."""
+    import checkpoint
+
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         fail(f"--plot: '{path}' not found; pass run folders written by train.py")
-    rows = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-                rows[int(row["iteration"])] = row
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
+    rows = {row["iteration"]: row for row in checkpoint.read_metrics(path) if isinstance(row.get("iteration"), int)}
     return [rows[i] for i in sorted(rows)]
 
 

@@ -36,31 +36,34 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, cli
     k = rollout.sde_steps[ki]
     B, S, G = rollout.latents.shape[0], rollout.latents.shape[2], advantages.shape[1]
     members = G // S  # members scored by one forward
-    start = rollout.latents[:, ki].flatten(0, 1)  # (B*S, ...)
+    start_latents = rollout.latents[:, ki].flatten(0, 1)  # (B*S, ...)
     targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
-    old = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
-    adv = advantages.reshape(B * S, members)  # (B*S, G/S)
-    prompt_index = torch.arange(B, device=start.device).repeat_interleave(S)  # (B*S,)
+    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
+    advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
+    prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
     loss, kl, log_ratios = 0.0, 0.0, []
-    for chunk in torch.arange(B * S, device=start.device).split(max_batch):
-        n, sigma = len(chunk), sigmas[k].expand(len(chunk)).to(start.device)
-        velocity = velocity_fn(start[chunk], sigma, prompt_index[chunk])  # (n, ...)
+    for chunk in torch.arange(B * S, device=start_latents.device).split(max_batch):
+        chunk_size, x = len(chunk), start_latents[chunk]  # x: (chunk_size, ...)
+        sigma = sigmas[k].expand(chunk_size).to(x.device)  # (chunk_size,)
+        velocity = velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
         # every member of a start latent is scored under the same velocity
-        _, log_probs = sde_step(start[chunk].repeat_interleave(members, 0), velocity.repeat_interleave(members, 0),
-                                sigmas, k, eta, next_latents=targets[chunk].flatten(0, 1))
-        log_probs = log_probs.view(n, members)  # (n, G/S)
-        chunk_loss = clipped_loss(log_probs, old[chunk], adv[chunk], clip_range) * (n / (B * S))
+        _, log_probs = sde_step(x.repeat_interleave(members, 0), velocity.repeat_interleave(members, 0),
+                                sigmas, k, eta, next_latents=targets[chunk].flatten(0, 1))  # (chunk_size * G/S,)
+        log_probs = log_probs.view(chunk_size, members)  # (chunk_size, G/S)
+        # the step's loss is a mean over all B*G members: each chunk weighs by its share
+        share = chunk_size / (B * S)
+        chunk_loss = clipped_loss(log_probs, old_log_probs[chunk], advantages[chunk], clip_range) * share
         if kl_beta > 0:  # KL to the base model's step (same std): |mean_theta - mean_ref|^2 / (2 std^2)
             with torch.no_grad():
-                reference = reference_velocity_fn(start[chunk], sigma, prompt_index[chunk])  # (n, ...)
-            chunk_kl = sde_kl(velocity, reference, sigmas, k, eta).mean() * (n / (B * S))
+                reference = reference_velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
+            chunk_kl = sde_kl(velocity, reference, sigmas, k, eta).mean() * share
             chunk_loss = chunk_loss + kl_beta * chunk_kl
             kl += float(chunk_kl.detach())
         # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
         # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
         (chunk_loss * loss_scale).backward()
         loss += float(chunk_loss.detach())
-        log_ratios.append((log_probs - old[chunk]).detach())
+        log_ratios.append((log_probs - old_log_probs[chunk]).detach())
     log_ratio = torch.cat(log_ratios)  # (B*S, G/S): one value per member
     ratio = log_ratio.exp()
     return {"loss": loss, "kl": kl, "approx_kl": float(0.5 * (log_ratio**2).mean()),
@@ -81,8 +84,8 @@ def optimizer_step(params, optimizer, max_grad_norm):
 def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
                  step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
-    loss, kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max), grad_norm (over the steps taken), and the
-    counts optimizer_steps and skipped_steps."""
+    loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
+    grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps."""
     K = advantages.shape[1]
     per_step, grad_norms = [], []
     optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ called, with its attention kernels and compilation), `models.add_lora` (the trai
                 reward and the update; peak memory; the rollout's TFLOP/s and its share of the chip's dense bf16
                 peak; and how far the first update's ratios are from 1 (lr 0, so every step sees the rollout's
                 policy).
-  4. levers:    per lever of the GPU-speed issue (the rollout's attention kernel, regional compilation, max batch),
+  4. levers:    per speed lever (the rollout's attention kernel, regional compilation, max batch),
                 at 512^2 and 720^2: timed rollout forwards and update steps, their TFLOP/s and share of peak, and
                 the seconds per phase of one iteration projected from them.
 FLOPs come from torch.utils.flop_counter on one forward (rollout) and one update step (forward, checkpoint
@@ -25,7 +25,7 @@ a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel ru
 forward is not timed).
 
 Run:
-    python gpu_check.py                  # one GPU, FLUX-sized: under 8 minutes on an H200
+    python gpu_check.py                  # one GPU, FLUX-sized: sized for 8 minutes on an H200 (not yet timed there)
     python gpu_check.py --config small   # CPU, about a minute: the same code on a tiny transformer
 """
 import contextlib

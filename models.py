@@ -10,18 +10,12 @@ see only latents, sigmas and prompt indices, so they do not know which model the
   SD3 / SD3.5 (`SD3Adapter`): latents (B, C, h, w); classifier-free guidance inside the velocity, so the
       rollout and the update see the same guided velocity. One velocity evaluation costs 2 image-forwards.
 
-Shapes: M samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
+Shapes: n samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
 
-Deviations from the reference code:
-  1. Sigma goes to the transformer exactly (diffusers' FLUX and SD3 scale it by 1000 inside or expect t = 1000 sigma);
-     the reference quantises it to int(1000 sigma) / 1000.
-  2. VAE decoding uses the VAE config's scaling and shift factors (the reference hard-codes FLUX's 0.3611, 0.1159).
-  3. The attention kernel is chosen per phase (`attention_backend` for the update's forward and backward,
-     `rollout_attention_backend` for the no-grad rollout and evaluation); on CUDA the default excludes cuDNN
-     attention, whose backward gave wrong gradients (see `sdpa_backends`). The reference leaves it to torch.
-  4. `check_gradient` compares a run's gradient with the math kernel's (fp32 where the weights allow) before the
-     run spends hours; the reference has no such check.
-  5. `compile=True` compiles the transformer's repeated blocks (regional compilation); the reference runs eager.
+Deviations from the reference code (numbers of the README's list): 3 (sigma goes to the transformer exactly;
+diffusers' FLUX scales it by 1000 inside, SD3 takes t = 1000 sigma), 4 (VAE scaling from its config), 11 (the
+attention kernel chosen per phase, cuDNN attention excluded from the update on CUDA, and `check_gradient`).
+Optional, off by default: `compile=True` compiles the transformer's repeated blocks (regional compilation).
 """
 import contextlib
 import math
@@ -195,10 +189,6 @@ class Adapter:
         return [m for m in (getattr(self.pipe, name, None) for name in
                             ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")) if m is not None]
 
-    @property
-    def patch_multiple(self) -> int:
-        """Resolutions must be multiples of this (VAE factor times the transformer's 2x2 patch)."""
-        return self.pipe.vae_scale_factor * 2
 
     def autocast(self):
         fp32 = self.dtype == torch.float32 or self._reference

@@ -221,10 +221,6 @@ def shapes(device, dtype, batch_size, paths):
     return _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
 
 
-
-
-# The pointwise question UnifiedReward models were trained to answer (worded as their authors publish it, since a
-# judge's scores depend on its prompt); the reply ends with "Final Score: <1-5>".
 # The judge's question, in this project's words: the caption, then the two criteria UnifiedReward is trained to
 # weigh (faithfulness to the caption, visual quality) and the "Final Score:" line its replies end with. Its authors
 # publish their own wording; pass it with --unifiedreward-question-file to follow their protocol exactly.
@@ -388,11 +384,6 @@ def path_fields() -> list[tuple[str, str, str]]:
                 raise ValueError(f"reward '{name}' redeclares path field '{key}' with another default or help")
             seen[key] = spec
     return [(key, default, help_) for key, (default, help_) in seen.items()]
-
-
-def default_paths() -> dict[str, str]:
-    """{field: default} for every path of every reward."""
-    return {key: default for key, default, _ in path_fields()}
 
 
 def _unknown(name) -> RewardError:

@@ -4,7 +4,6 @@ fault counting, metrics and trackers, sample grids, EMA weights, and the check t
 train.py calls a `Run` at fixed points of its loop; nothing here knows how a rollout or an update works.
 """
 import json
-import math
 import os
 import shutil
 import signal
@@ -19,11 +18,36 @@ import checkpoint
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def fail(message: str, master: bool = True):
-    """Bad input or an unusable state: one line (on rank 0 only), exit status 2."""
-    if master:
+def fail(message: str):
+    """Bad input or an unusable state: one line (on rank 0 only, so torchrun shows it once), exit status 2."""
+    if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def read_prompts(path: str, what: str):
+    """The non-empty lines of a UTF-8 text file, or one clear error line."""
+    if os.path.isdir(path):
+        fail(f"{what} '{path}' is a folder; pass a text file with one prompt a line")
+    if not path or not os.path.isfile(path):
+        from prompts.hpdv2 import how_to_write
+
+        hint = how_to_write(path) if path else ""
+        fail(f"{what} '{path}' not found; " + (hint or "pass a text file with one prompt a line"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file")
+    if not prompts:
+        fail(f"{what} '{path}' holds no prompts; put one prompt on each line")
+    return prompts
+
+
+def eval_noise_generator(prompt: int, seed: int) -> torch.Generator:
+    """The initial noise of held-out image (prompt, seed), the same in train.py's evaluation and evaluate.py.
+    Distinct for every pair while there are fewer than 1000 prompts (HPDv2's test set has 400)."""
+    return torch.Generator().manual_seed(1_000_000 + 1000 * seed + prompt)
 
 
 def code_version():
@@ -202,9 +226,9 @@ class Run:
         if skipped > 0 and not self.warned_skip:
             self.warned_skip = True
             cause = "the rewards were not finite" if nonfinite else "its gradient norm was not finite"
-            self.log(f"\nwarning: an optimizer step was skipped: {cause}. Likely causes: an attention kernel with a wrong backward "
-                     f"(try --attention-backend math), bf16 overflow (try --mixed-precision no), a learning rate too "
-                     f"high, or non-finite rewards")
+            self.log(f"\nwarning: an optimizer step was skipped: {cause}. Likely causes: an attention kernel with a "
+                     f"wrong backward (try --attention-backend math), bf16 overflow (try --mixed-precision no), "
+                     f"a learning rate too high, or non-finite rewards")
         self.faults = self.faults + 1 if faulty else 0
         return faulty
 

@@ -15,7 +15,7 @@ the same latents with shared and batched forwards (tests/test_method.py checks t
 The baseline `rollout_full_sde` samples G full SDE trajectories per prompt instead (DanceGRPO / Flow-GRPO).
 
 A model enters only as a velocity function `velocity_fn(latents, sigma, prompt_index) -> velocity`, with latents
-(M, ...) in the model's own layout, a per-sample sigma (M,) and a per-sample index (M,) into the prompt batch, so
+(n, ...) in the model's own layout, a per-sample sigma (n,) and a per-sample index (n,) into the prompt batch, so
 branches at different steps and of different prompts share one transformer call.
 
 Shapes: B prompts, G group size, K SDE steps in M, J granularities in Lambda, N sampling steps, (...) the latent.
@@ -35,7 +35,8 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
 
 
 def sde_std_dev(sigmas, i, eta) -> float:
-    """std_dev = eta * sqrt(sigma / (1 - sigma)) at sigmas[i]; at sigma = 1 the reference divides by 1 - sigmas[1]."""
+    """std_dev = eta * sqrt(sigma / (1 - sigma)) at sigmas[i]. At sigma = 1 that divides by 0: the reference code
+    divides by 1 - sigmas[1] instead, and so do we."""
     sigma = float(sigmas[i])
     return eta * math.sqrt(sigma / (1 - (sigma if sigma < 1 else float(sigmas[1]))))
 
@@ -96,7 +97,7 @@ def granular_schedule(sigmas: torch.Tensor, k: int, g: int) -> torch.Tensor:
     return schedule
 
 
-class Counter:
+class CountingVelocity:
     """Calls a velocity function in micro-batches of at most `max_batch` and counts image-forwards and calls."""
 
     def __init__(self, velocity_fn, max_batch: int):
@@ -142,8 +143,8 @@ def prompt_noise(generators, shape, device):
 @torch.no_grad()
 def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
     """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): returns x0, every latent (N+1, B, ...)
-    and the Counter of forwards."""
-    counter = Counter(velocity_fn, max_batch)
+    and the CountingVelocity that counted the forwards."""
+    counter = CountingVelocity(velocity_fn, max_batch)
     prompt_index = torch.arange(noise.shape[0], device=noise.device)
     latents, trajectory = noise.float(), [noise.float()]
     for i in range(len(sigmas) - 1):
@@ -162,31 +163,32 @@ def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_siz
     every member, every completion runs on its own). Same arguments, same noise and same `Rollout` as
     `rollout_g2rpo`; slow, for reading and for checking the fast rollout."""
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
-    forward = Counter(velocity_fn, max_batch=1)
+    forward = CountingVelocity(velocity_fn, max_batch=1)
     K, J = len(sde_steps), len(granularities)
-    next_latents, old_log_probs = torch.zeros(B, K, G, *shape), torch.zeros(B, K, G)
-    final_latents, anchors = torch.zeros(B, J, K, G, *shape), []
+    next_latents, old_log_probs = torch.zeros(B, K, G, *shape), torch.zeros(B, K, G)  # (B, K, G, ...), (B, K, G)
+    final_latents, anchors = torch.zeros(B, J, K, G, *shape), []  # (B, J, K, G, ...)
     for b in range(B):
         prompt = torch.tensor([b], device=device)
         # 1-2. the anchor: an ODE trajectory from the prompt's shared initial noise x_T
-        anchor = [noise[b : b + 1].float()]
+        anchor = [noise[b : b + 1].float()]  # (1, ...) per step
         for i in range(len(sigmas) - 1):
-            anchor.append(sde_step(anchor[i], forward(anchor[i], sigmas[i : i + 1].to(device), prompt), sigmas, i, 0.0)[0])
+            v = forward(anchor[i], sigmas[i : i + 1].to(device), prompt)  # (1, ...)
+            anchor.append(sde_step(anchor[i], v, sigmas, i, eta=0.0)[0])
         anchors.append(anchor)
         for ki, k in enumerate(sde_steps):
             member_noise = torch.randn((G, *shape), generator=generators[b]).to(device)  # (G, ...)
-            for i in range(G):
+            for member in range(G):
                 # 3. singular stochastic sampling: ONE SDE step from anchor[k]
-                v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)
-                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[i : i + 1])
-                next_latents[b, ki, i], old_log_probs[b, ki, i] = x_next[0], log_prob[0]
+                v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)  # (1, ...)
+                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1])
+                next_latents[b, ki, member], old_log_probs[b, ki, member] = x_next[0], log_prob[0]
                 # 4. multi-granularity completion: an ODE from x_{k+1} on each granularity's schedule
                 for j, g in enumerate(granularities):
                     schedule = granular_schedule(sigmas, k, g)[k + 1 :].to(device)
                     x = x_next
                     for s in range(len(schedule) - 1):
                         x = x + (schedule[s + 1] - schedule[s]) * forward(x, schedule[s : s + 1], prompt)
-                    final_latents[b, j, ki, i] = x[0]
+                    final_latents[b, j, ki, member] = x[0]
     return Rollout(
         latents=torch.stack([torch.cat([a[k] for k in sde_steps]) for a in anchors]).unsqueeze(2),  # (B, K, 1, ...)
         next_latents=next_latents.to(device), old_log_probs=old_log_probs.to(device),
@@ -205,7 +207,7 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
-    forward = Counter(velocity_fn, max_batch)
+    forward = CountingVelocity(velocity_fn, max_batch)
 
     # 2. anchor: the ODE trajectory from x_T, keeping the latent and the velocity at every step that branches
     anchor, velocities = [noise.float()], {}
@@ -258,8 +260,8 @@ def complete_granularities(forward, next_latents, sigmas, sde_steps, granulariti
                 live.append((k, gs, x))
         if not live:
             break
-        sigma = torch.cat([schedules[k, gs[0]][position].expand(B * G) for k, gs, _ in live])  # (M,)
-        velocity = forward(torch.cat([x for _, _, x in live]), sigma, prompt_index.repeat(len(live)))  # (M, ...)
+        sigma = torch.cat([schedules[k, gs[0]][position].expand(B * G) for k, gs, _ in live])  # (n,)
+        velocity = forward(torch.cat([x for _, _, x in live]), sigma, prompt_index.repeat(len(live)))  # (n, ...)
         nodes = []
         for (k, gs, x), v in zip(live, velocity.split(B * G)):
             children = {}  # granularities grouped by where their schedule goes next
@@ -294,8 +296,10 @@ def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
 
 def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch,
                          ode_elsewhere):
+    """G trajectories per prompt from its shared noise: SDE steps on every step, or only on `sde_steps` when
+    `ode_elsewhere`; keeps the start latent, the sample and its log-prob at each step of `sde_steps`."""
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
-    forward = Counter(velocity_fn, max_batch)
+    forward = CountingVelocity(velocity_fn, max_batch)
     x, trained = noise.float(), {}  # (B, ...) while the members are still one latent, then (B*G, ...)
     for i in range(len(sigmas) - 1):
         stochastic = i in sde_steps or not ode_elsewhere
@@ -325,7 +329,8 @@ def window_steps(iteration, *, num_steps, size, stride, every, random=False, see
     is drawn afresh each iteration from (seed, iteration)."""
     starts = num_steps - size + 1  # possible first steps
     if random:
-        start = int(torch.randint(starts, (1,), generator=torch.Generator().manual_seed(seed * 7919 + iteration)))
+        draw = torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
+        start = int(torch.randint(starts, (1,), generator=draw))
     else:
         start = (iteration // every) * stride % starts
     return list(range(start, start + size))

@@ -39,7 +39,7 @@ import rewards
 from advantage import granular_advantages
 from g2rpo import g2rpo_update
 from models import ADAPTERS, ATTENTION_BACKENDS, ModelLoadError, add_lora
-from run import EMA, Run, all_mean, any_rank, fail
+from run import EMA, Run, all_mean, any_rank, eval_noise_generator, fail, read_prompts
 from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step,
                      sigma_schedule, window_steps)
 
@@ -177,7 +177,7 @@ PRESETS = {
     "flux": {},
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, max_sequence_length=256,
                 resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
-    # fp32 on every device: bf16 costs this small model a tenth of its held-out reward
+    # fp32 on every device (deviation 12): bf16 costs this small model a tenth of its held-out reward
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
                  rewards=["shapes=1.0"], num_iterations=40, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
@@ -197,7 +197,7 @@ def parse_args(argv=None):
         elif a.startswith("--model="):
             model = a.split("=", 1)[1]
     if model not in PRESETS:
-        fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}", master=_is_rank_zero())
+        fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
     return tyro.cli(Args, args=argv, default=Args(model=model, **PRESETS[model]),
                     description=__doc__.split("\n\n")[0])
 
@@ -244,64 +244,44 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def read_prompts(path: str, what: str, master: bool = True):
-    """The non-empty lines of a UTF-8 text file, or one clear error line."""
-    if os.path.isdir(path):
-        fail(f"{what} '{path}' is a folder; pass a text file with one prompt a line", master)
-    if not path or not os.path.isfile(path):
-        from prompts.hpdv2 import how_to_write
-
-        hint = how_to_write(path) if path else ""
-        fail(f"{what} '{path}' not found; " + (hint or "pass a text file with one prompt a line"), master)
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file", master)
-    if not prompts:
-        fail(f"{what} '{path}' holds no prompts; put one prompt on each line", master)
-    return prompts
-
-
 def validate(args, world: int, log=print):
     """Every check that needs no model. Returns (train prompts, eval prompts, reward weights)."""
-    master = _is_rank_zero()
     for f in dataclasses.fields(TrainArgs):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
-            fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}", master)
+            fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
     if not args.sde_steps:
-        fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3", master)
+        fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
     if len(set(args.sde_steps)) != len(args.sde_steps):
-        fail(f"--sde-steps {args.sde_steps} repeats a step; list each step once", master)
+        fail(f"--sde-steps {args.sde_steps} repeats a step; list each step once")
     bad = [k for k in args.sde_steps if not 0 <= k < args.num_steps]
-    if bad:
+    if bad and args.sampling != "mixed":  # mixed trains its window instead
         fail(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
-             f"use steps in 0..{args.num_steps - 1}", master)
+             f"use steps in 0..{args.num_steps - 1}")
     if not args.granularities or min(args.granularities) < 1 or len(set(args.granularities)) != len(args.granularities):
-        fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3", master)
+        fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
     if args.window_size > args.num_steps:
-        fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}", master)
+        fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
     multiple = 4 if args.model == "tiny" else 16
     if args.resolution % multiple:
         fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
-             f"use e.g. {args.resolution // multiple * multiple or multiple}", master)
+             f"use e.g. {args.resolution // multiple * multiple or multiple}")
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
-             f"use a multiple of {world}", master)
+             f"use a multiple of {world}")
     if args.resume and args.overwrite:
-        fail("--resume and --overwrite contradict each other; pass one", master)
+        fail("--resume and --overwrite contradict each other; pass one")
     if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
-        fail(f"--log-with {args.log_with} needs its package: pip install {args.log_with}", master)
+        fail(f"--log-with {args.log_with} needs its package: pip install {args.log_with}")
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
         fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
-             f"pass the folder holding model_index.json", master)
+             f"pass the folder holding model_index.json")
     try:
         weights = rewards.parse_rewards(args.rewards)
     except rewards.RewardError as err:
-        fail(str(err), master)
+        fail(str(err))
     _note_coinciding_granularities(args, log)
-    return (read_prompts(args.prompt_file, "--prompt-file", master),
-            read_prompts(args.eval_prompt_file, "--eval-prompt-file", master), weights)
+    return (read_prompts(args.prompt_file, "--prompt-file"),
+            read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
 
 
 def _note_coinciding_granularities(args, log):
@@ -317,10 +297,6 @@ def _note_coinciding_granularities(args, log):
         for same in (gs for gs in seen.values() if len(gs) > 1):
             log(f"note: at SDE step {k} the granularities {same} give the same completion; its reward counts "
                 f"{len(same)} times in the advantage (as in the reference code)")
-
-
-def _is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", 0)) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,7 +336,7 @@ def build_policy(args, device, dtype, reward_weights, distributed, master, log) 
             # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
             transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full))
     except ModelLoadError as err:
-        fail(str(err), master)
+        fail(str(err))
     transformer = adapter.transformer
     if full:
         transformer.requires_grad_(True)
@@ -387,10 +363,11 @@ def build_policy(args, device, dtype, reward_weights, distributed, master, log) 
         reward_fns = {name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args))
                       for name in reward_weights}
     except rewards.RewardError as err:
-        fail(str(err), master)
+        fail(str(err))
     ema = None
     if args.ema_decay > 0:
-        ema = EMA([(n, p) for n, p in transformer.named_parameters() if p.requires_grad], args.ema_decay, args.ema_every)
+        trained = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
+        ema = EMA(trained, args.ema_decay, args.ema_every)
     return Policy(adapter, transformer, model, params, optimizer, reward_fns, reward_weights, reference, ema)
 
 
@@ -406,7 +383,7 @@ def _shard(module, dtype, device):
     module.to(device)
 
 
-def velocity_fn(args, policy, module, cond):
+def make_velocity_fn(args, policy, module, cond):
     """v(x, sigma | prompt) of `module` (the transformer, or its DDP wrapper in the update)."""
     return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.resolution)
 
@@ -416,7 +393,7 @@ def reference_velocity_fn(args, policy, cond):
     if args.kl_beta == 0:
         return None
     if policy.reference is not None:
-        return velocity_fn(args, policy, policy.reference, cond)
+        return make_velocity_fn(args, policy, policy.reference, cond)
 
     def base_velocity(x, sigma, idx):
         policy.transformer.disable_adapters()
@@ -468,14 +445,15 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     B, G = len(batch), args.group_size
 
     # 2. rollout with the current policy, no gradients
-    sample = velocity_fn(args, policy, policy.transformer, cond)
+    rollout_velocity = make_velocity_fn(args, policy, policy.transformer, cond)
     steps = trained_steps(args, it)
     if args.sampling == "g2rpo":
-        rollout = rollout_g2rpo(sample, noise, sigmas, gens, group_size=G, sde_steps=steps,
+        rollout = rollout_g2rpo(rollout_velocity, noise, sigmas, gens, group_size=G, sde_steps=steps,
                                 granularities=args.granularities, eta=args.eta, max_batch=args.max_batch)
     else:
         rollout = (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
-            sample, noise, sigmas, gens, group_size=G, sde_steps=steps, eta=args.eta, max_batch=args.max_batch)
+            rollout_velocity, noise, sigmas, gens, group_size=G, sde_steps=steps, eta=args.eta,
+            max_batch=args.max_batch)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
@@ -486,16 +464,17 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     t2 = time.time()
 
     # 4. advantages: normalised per (reward, granularity, step) within each group, summed, clamped
-    weights = torch.tensor(list(policy.reward_weights.values()))
+    weights = torch.tensor(list(policy.reward_weights.values()))  # (R,)
     advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights)  # (B, K or 1, G)
     advantages = advantages.expand(B, len(steps), G).to(noise.device)  # (B, K, G)
 
     # 5. the clipped policy update, taken on every rank or on none
     finite_rewards = not any_rank(not bool(torch.isfinite(scores).all()), distributed)
     if finite_rewards:
+        update_velocity = make_velocity_fn(args, policy, policy.model, cond)  # through DDP / FSDP2, with gradients
         if first_update_check is not None:
-            first_update_check(velocity_fn(args, policy, policy.model, cond), rollout, advantages)
-        stats = g2rpo_update(velocity_fn(args, policy, policy.model, cond), policy.params, policy.optimizer, rollout,
+            first_update_check(update_velocity, rollout, advantages)
+        stats = g2rpo_update(update_velocity, policy.params, policy.optimizer, rollout,
                              advantages, sigmas, eta=args.eta, clip_range=args.clip_range,
                              max_grad_norm=args.max_grad_norm, step_per_sde_step=args.step_per_sde_step,
                              max_batch=args.max_batch, kl_beta=args.kl_beta,
@@ -506,7 +485,8 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
         policy.ema.update(it + 1)
     t3 = time.time()
     metrics.update({f"losses/{k}": v for k, v in stats.items() if k not in ("skipped_steps", "optimizer_steps")})
-    metrics.update({"faults/skipped_steps": stats["skipped_steps"], "faults/nonfinite_rewards": float(not finite_rewards),
+    metrics.update({"faults/skipped_steps": stats["skipped_steps"],
+                    "faults/nonfinite_rewards": float(not finite_rewards),
                     "perf/optimizer_steps": stats["optimizer_steps"], "perf/nfe": rollout.nfe,
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
                     "time/update": t3 - t2, "time/iteration": t3 - t0})
@@ -545,11 +525,11 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
     prompts = [eval_prompts[p] for p, _ in mine]
-    gens = [torch.Generator().manual_seed(1_000_000 + 1000 * s + p) for p, s in mine]
+    gens = [eval_noise_generator(p, s) for p, s in mine]
     cond = policy.adapter.encode(prompts)
     if policy.ema is not None:
         policy.ema.swap()
-    x0, _, _ = ode_sample(velocity_fn(args, policy, policy.transformer, cond),
+    x0, _, _ = ode_sample(make_velocity_fn(args, policy, policy.transformer, cond),
                           policy.adapter.noise(gens, args.resolution), sigmas, max_batch=args.max_batch)
     if policy.ema is not None:
         policy.ema.swap()
@@ -572,11 +552,10 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
 # ---------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------
-def train(args, policy, run, prompts, eval_prompts, start, rank, world, distributed):
+def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, distributed):
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    config = dataclasses.asdict(args)
     evaluate_ = lambda: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed)
     if start == 0:
         before, images = evaluate_()
@@ -590,7 +569,8 @@ def train(args, policy, run, prompts, eval_prompts, start, rank, world, distribu
     metrics, first_reward = {}, f"train/reward/{next(iter(policy.reward_fns))}"
     for it in bar:
         metrics = all_mean(iteration(args, it, policy, prompts, sigmas, rank, world, distributed, check), distributed)
-        check = None
+        if not metrics["faults/nonfinite_rewards"]:
+            check = None  # it ran with this iteration's update
         faulty = run.count_faults(metrics)
         done = it + 1
         if done % args.eval_every == 0 or done == args.num_iterations:
@@ -684,14 +664,14 @@ def main(args):
             state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, args.lora_rank > 0)
             if policy.ema is not None:
                 if "ema" not in state["extra"]:
-                    fail(f"{resume_from} holds no EMA weights; resume without --ema-decay or start a new run", master)
+                    fail(f"{resume_from} holds no EMA weights; resume without --ema-decay or start a new run")
                 policy.ema.load_state_dict(state["extra"]["ema"])
             log(f"resumed from {resume_from} at iteration {start}")
         if master:
             run.begin(config, fresh=not resume_from)
         run.open_tracker(config)
         run.catch_signals()
-        train(args, policy, run, prompts, eval_prompts, start, rank, world, distributed)
+        train(args, config, policy, run, prompts, eval_prompts, start, rank, world, distributed)
         if distributed:
             dist.barrier()  # leave together: a rank tearing down its process group early can abort another
     finally:
@@ -701,8 +681,8 @@ def main(args):
 
 
 def _warn_long_prompts(args, policy, prompts, log):
-    pipe = policy.adapter.pipe
-    tokenizer = getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
+    pipe = policy.adapter.pipe  # the T5 tokenizer that --max-sequence-length limits: SD3's third, FLUX's second
+    tokenizer = getattr(pipe, "tokenizer_3", None) or getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
     long = [p for p in prompts if len(tokenizer(p).input_ids) > args.max_sequence_length]
     if long:
         log(f"warning: {len(long)} prompts exceed {args.max_sequence_length} text tokens and are truncated "

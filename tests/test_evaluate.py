@@ -189,7 +189,7 @@ def test_settings_flags_override_the_run_config(runs):
     (["--num-prompts", "-1"], "--num-prompts -1"),
     (["--resolution", "30"], "not a positive multiple of 16"),
     (["--num-steps", "0"], "num_steps"),
-    (["--prompt-file", "missing.txt"], "prompt file 'missing.txt' not found"),
+    (["--prompt-file", "missing.txt"], "--prompt-file 'missing.txt' not found"),
     (["--metrics", "unifiedreward", "--unifiedreward-url", "http://127.0.0.1:9/v1"], "no judge answering"),
     (["--model-path", "/nonexistent/flux"], "could not load a diffusers pipeline"),
 ])

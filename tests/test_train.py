@@ -119,7 +119,7 @@ def test_ema_is_the_hand_computed_average():
 def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "2", "--lora-rank", str(lora),
-              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", *QUICK]
+              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", "--kl-beta", "0.1", *QUICK]
     run_train([*common, "--output-dir", one])
     proc = run_train([*common, "--output-dir", two], torchrun=2)
     assert "ranks agree on the parameters" in proc.stdout
