@@ -6,8 +6,9 @@
   2. Speed on the tiny model, same machine, same run: seconds per iteration split into sampling, decoding,
      reward and update, batched (this project) against a batch-1 loop with the reference's structure.
   3. Learning per unit of compute on the tiny model: held-out eval reward against cumulative NFE and wall time for
-     G2RPO (granularities {1, 2, 3}), G2RPO without multi-granularity ({1}) and the full-SDE baseline, at equal
-     NFE budgets, over seeds; a table and a PNG plot.
+     G2RPO (granularities {1, 2, 3}), G2RPO without multi-granularity ({1}), the full-SDE baseline, mixed
+     ODE-SDE sampling in a sliding window, and G2RPO and full SDE with a KL term, at equal NFE budgets, over seeds;
+     a table and a PNG plot.
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from gpu_check.py.
 
 Run:  python bench.py            (parts 1-3, CPU)
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-from sampler import rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
+from sampler import rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference, rollout_mixed, sigma_schedule
 
 
 
@@ -155,10 +156,15 @@ def _per_member(rollout):
 # ---------------------------------------------------------------------------------------------------------------
 # part 3: learning per unit of compute
 # ---------------------------------------------------------------------------------------------------------------
+FULL = ["--sampling", "full", "--sde-steps", "0", "1", "2", "3", "4", "5", "6", "7"]
+KL = ["--kl-beta", "0.01"]
 METHODS = {
     "G2RPO {1,2,3}": ["--sampling", "g2rpo", "--granularities", "1", "2", "3"],
     "G2RPO {1}": ["--sampling", "g2rpo", "--granularities", "1"],
-    "full SDE": ["--sampling", "full", "--sde-steps", "0", "1", "2", "3", "4", "5", "6", "7"],
+    "full SDE": FULL,
+    "mixed window": ["--sampling", "mixed", "--window-size", "2", "--window-stride", "1", "--window-every", "4"],
+    "G2RPO {1,2,3} + KL": ["--sampling", "g2rpo", "--granularities", "1", "2", "3", *KL],
+    "full SDE + KL": [*FULL, *KL],
 }
 
 
@@ -224,17 +230,22 @@ def _train(argv):
 
 
 def _nfe_per_iteration(flags):
+    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed sampler: its mean over a
+    sweep of its window's positions)."""
     import train
 
     a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags])
     sigmas, gens = sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(4)]
+    kw = dict(group_size=a.group_size, eta=a.eta, max_batch=10**6)
     if a.sampling == "g2rpo":
-        out = rollout_g2rpo(zero_velocity, torch.zeros(4, 1), sigmas, gens, group_size=a.group_size,
-                            sde_steps=a.sde_steps, granularities=a.granularities, eta=a.eta, max_batch=10**6)
-    else:
-        out = rollout_full_sde(zero_velocity, torch.zeros(4, 1), sigmas, gens, group_size=a.group_size,
-                               sde_steps=a.sde_steps, eta=a.eta, max_batch=10**6)
-    return out.nfe
+        return rollout_g2rpo(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=a.sde_steps,
+                             granularities=a.granularities, **kw).nfe
+    if a.sampling == "full":
+        return rollout_full_sde(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=a.sde_steps, **kw).nfe
+    sweep = range(0, a.window_every * (a.num_steps - a.window_size + 1), a.window_every)
+    counts = [rollout_mixed(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=train.trained_steps(a, it),
+                            **kw).nfe for it in sweep]
+    return sum(counts) // len(counts)
 
 
 def _interp(points, nfe):
@@ -252,7 +263,7 @@ def _plot(curves, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (name, runs), colour in zip(curves.items(), ["C0", "C1", "C2"]):
+    for (name, runs), colour in zip(curves.items(), [f"C{i}" for i in range(len(curves))]):
         for n, run in enumerate(runs):
             nfe, wall, reward = zip(*run)
             axes[0].plot(nfe, reward, color=colour, alpha=0.8, label=name if n == 0 else None)
@@ -270,7 +281,7 @@ def _plot(curves, path):
 
 def main(args: Args):
     if args.quick:
-        args.seeds, args.budget_nfe = 1, 2_500
+        args.seeds, args.budget_nfe = 1, 1_500
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
