@@ -281,7 +281,7 @@ def _plot(curves, path):
 
 def main(args: Args):
     if args.quick:
-        args.seeds, args.budget_nfe = 1, 1_500
+        args.seeds, args.budget_nfe = 1, 1_000
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
