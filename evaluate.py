@@ -161,7 +161,9 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
 
 
 def check_settings(s: dict, where: str):
-    multiple = 4 if s["model"] == "tiny" else 16
+    from models import RESOLUTION_MULTIPLE
+
+    multiple = RESOLUTION_MULTIPLE[s["model"]]
     if s["num_steps"] < 1 or s["max_sequence_length"] < 1 or not s["guidance"] >= 0 or not s["shift"] > 0:
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
     if s["resolution"] < multiple or s["resolution"] % multiple:
@@ -237,10 +239,7 @@ def load_base(settings: dict, args, device, dtype, config: dict):
         import tiny
 
         cache = args.tiny_cache or config.get("tiny_cache") or ".cache"
-        if os.environ.get("RANK", "0") == "0":
-            tiny.ensure_pretrained(cache)  # pre-trains once; the other ranks wait, then find it cached
-        _barrier()
-        path = tiny.ensure_pretrained(cache, log=lambda *a: None)
+        path = tiny.ensure_pretrained_on_ranks(cache)
     try:
         return models.ADAPTERS[settings["model"]].load(
             path, device, dtype, transformer_dtype=dtype, guidance=settings["guidance"],
@@ -336,13 +335,6 @@ def markdown_table(results: list[dict], metrics: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- distributed: one short block keyed on RANK
-
-
-def _barrier():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def setup_distributed(args):

@@ -444,3 +444,5 @@ def check_gradient(loss_fn, params, reference, fp32_reference=None, *, min_cosin
 
 
 ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter}
+# image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4}

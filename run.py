@@ -242,7 +242,9 @@ class Run:
     # ---- checkpoints ----
     def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None):
         """Save a checkpoint, unless the weights are not finite (then the last good checkpoint stays the newest)."""
-        finite = not any_rank(any(not bool(torch.isfinite(full_tensor(p)).all()) for p in params), self.distributed)
+        # each rank checks its own shards (FSDP2) or copy (DDP): no weights are gathered for it
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        finite = not any_rank(any(not bool(torch.isfinite(p).all()) for p in local), self.distributed)
         if not finite:
             raise SystemExit(f"error: the weights are not finite after iteration {iteration} (a learning rate too "
                              f"high?); no checkpoint written, the last good one is "

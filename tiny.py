@@ -230,6 +230,17 @@ def _digest(folder):
     return h.hexdigest()
 
 
+def ensure_pretrained_on_ranks(cache_dir: str, log=print) -> str:
+    """`ensure_pretrained` under torchrun: rank 0 pre-trains (once), the other ranks wait, then find it cached."""
+    import torch.distributed as dist
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    path = ensure_pretrained(cache_dir, log=log) if first else None
+    if dist.is_initialized():
+        dist.barrier()
+    return path or ensure_pretrained(cache_dir, log=lambda *a: None)
+
+
 def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_steps: int = 700, log=print) -> str:
     """The folder of the pre-trained tiny pipeline for these settings, pre-training it first when it is missing
     or its files fail their checksum (a corrupted cache is rebuilt, never loaded)."""

@@ -38,7 +38,7 @@ import checkpoint
 import rewards
 from advantage import granular_advantages
 from g2rpo import g2rpo_update
-from models import ADAPTERS, ATTENTION_BACKENDS, ModelLoadError, add_lora
+from models import ADAPTERS, ATTENTION_BACKENDS, RESOLUTION_MULTIPLE, ModelLoadError, add_lora
 from run import EMA, Run, all_mean, any_rank, eval_noise_generator, fail, read_prompts
 from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step,
                      sigma_schedule, window_steps)
@@ -261,7 +261,7 @@ def validate(args, world: int, log=print):
         fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
     if args.window_size > args.num_steps:
         fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
-    multiple = 4 if args.model == "tiny" else 16
+    multiple = RESOLUTION_MULTIPLE[args.model]
     if args.resolution % multiple:
         fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
              f"use e.g. {args.resolution // multiple * multiple or multiple}")
@@ -315,18 +315,13 @@ class Policy:
     ema: EMA | None = None
 
 
-def build_policy(args, device, dtype, reward_weights, distributed, master, log) -> Policy:
+def build_policy(args, device, dtype, reward_weights, distributed, log) -> Policy:
     torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
     model_path = args.model_path
     if args.model == "tiny":
         import tiny
 
-        if master:  # pre-trains once; the other ranks wait, then find it cached
-            model_path = tiny.ensure_pretrained(args.tiny_cache, log=log)
-        if distributed:
-            dist.barrier()
-        if not master:
-            model_path = tiny.ensure_pretrained(args.tiny_cache, log=lambda *a: None)
+        model_path = tiny.ensure_pretrained_on_ranks(args.tiny_cache, log=log)
     full = args.lora_rank == 0
     try:
         adapter = ADAPTERS[args.model].load(
@@ -658,7 +653,7 @@ def main(args):
                 log(f"{resume_from} is already at iteration {start} of --num-iterations {args.num_iterations}: "
                     f"the run is complete; pass a larger --num-iterations to extend it")
                 return
-        policy = build_policy(args, device, dtype, reward_weights, distributed, master, log)
+        policy = build_policy(args, device, dtype, reward_weights, distributed, log)
         _warn_long_prompts(args, policy, prompts + eval_prompts, log)
         if resume_from:
             state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, args.lora_rank > 0)
