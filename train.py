@@ -156,6 +156,9 @@ class TrainArgs:
     """Evaluate on the held-out prompts every this many iterations (and at start and end)."""
     eval_seeds: int = 2
     """Noise seeds per held-out prompt in the evaluation."""
+    eval_prompts: int = 48
+    """Held-out prompts in the in-training evaluation, spread evenly over --eval-prompt-file (0 = all). At the flux
+    preset, 48 prompts x 2 seeds cost about 4 % of the run's rollout forwards; the full table is evaluate.py's job."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many iterations (and at the end)."""
     log_with: Literal["none", "wandb", "tensorboard"] = "none"
@@ -181,14 +184,15 @@ PRESETS = {
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
                  rewards=["shapes=1.0"], num_iterations=40, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
-                 eval_every=10, eval_seeds=3, checkpoint_every=20, gradient_checkpointing=False,
+                 eval_every=10, eval_seeds=3, eval_prompts=0, checkpoint_every=20, gradient_checkpointing=False,
                  mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0),
 }
 
 
-def parse_args(argv=None):
-    """`--model` picks a preset of defaults; every other flag overrides it (and --help shows the preset's values)."""
+def parse_args(argv=None, args_class=None):
+    """`--model` picks a preset of defaults; every other flag overrides it (and --help shows the preset's values).
+    `args_class`: a dataclass derived from Args, for a script that takes these flags and more (plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
     model = "flux"
     for i, a in enumerate(argv):
@@ -198,8 +202,9 @@ def parse_args(argv=None):
             model = a.split("=", 1)[1]
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
-    return tyro.cli(Args, args=argv, default=Args(model=model, **PRESETS[model]),
-                    description=__doc__.split("\n\n")[0])
+    cls = args_class or Args
+    return tyro.cli(cls, args=argv, default=cls(model=model, **PRESETS[model]),
+                    description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,6 +239,7 @@ RULES = {
     "max_faults": (lambda v: v >= 1, ">= 1"),
     "eval_every": (lambda v: v >= 1, ">= 1"),
     "eval_seeds": (lambda v: v >= 1, ">= 1"),
+    "eval_prompts": (lambda v: v >= 0, ">= 0 (0 = every held-out prompt)"),
     "checkpoint_every": (lambda v: v >= 1, ">= 1"),
     "seed": (lambda v: v >= 0, ">= 0"),
     "dist_timeout_minutes": (lambda v: isfinite(v) and v > 0, "> 0"),
@@ -246,6 +252,13 @@ def flag(name: str) -> str:
 
 def validate(args, world: int, log=print):
     """Every check that needs no model. Returns (train prompts, eval prompts, reward weights)."""
+    weights = check_flags(args, world, log)
+    return (read_prompts(args.prompt_file, "--prompt-file"),
+            read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
+
+
+def check_flags(args, world: int, log=print):
+    """Every check of the flags themselves (no file is read). Returns the reward weights."""
     for f in dataclasses.fields(TrainArgs):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
             fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
@@ -280,8 +293,7 @@ def validate(args, world: int, log=print):
     except rewards.RewardError as err:
         fail(str(err))
     _note_coinciding_granularities(args, log)
-    return (read_prompts(args.prompt_file, "--prompt-file"),
-            read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
+    return weights
 
 
 def _note_coinciding_granularities(args, log):
@@ -316,6 +328,7 @@ class Policy:
 
 
 def build_policy(args, device, dtype, reward_weights, distributed, log) -> Policy:
+    """Load the pipeline and the reward models, then make the trained policy of them (`make_policy`)."""
     torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
     model_path = args.model_path
     if args.model == "tiny":
@@ -332,7 +345,21 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
             transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full))
     except ModelLoadError as err:
         fail(str(err))
+    policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
+    try:
+        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args))
+                                  for name in reward_weights})
+    except rewards.RewardError as err:
+        fail(str(err))
+    return policy
+
+
+def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None) -> Policy:
+    """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
+    DDP (LoRA) or FSDP2 (full) across ranks, AdamW (`foreach`: torch's default, multi-tensor on CUDA) and the EMA.
+    The reward models are added by the caller (`reward_fns`)."""
     transformer = adapter.transformer
+    full = args.lora_rank == 0
     if full:
         transformer.requires_grad_(True)
     else:
@@ -353,17 +380,13 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
         for module in [transformer] + ([reference] if reference is not None else []):
             _shard(module, dtype, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    try:
-        reward_fns = {name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args))
-                      for name in reward_weights}
-    except rewards.RewardError as err:
-        fail(str(err))
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
+                                  foreach=foreach)
     ema = None
     if args.ema_decay > 0:
         trained = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
         ema = EMA(trained, args.ema_decay, args.ema_every)
-    return Policy(adapter, transformer, model, params, optimizer, reward_fns, reward_weights, reference, ema)
+    return Policy(adapter, transformer, model, params, optimizer, {}, reward_weights, reference, ema)
 
 
 def _shard(module, dtype, device):
@@ -440,15 +463,8 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     B, G = len(batch), args.group_size
 
     # 2. rollout with the current policy, no gradients
-    rollout_velocity = make_velocity_fn(args, policy, policy.transformer, cond)
     steps = trained_steps(args, it)
-    if args.sampling == "g2rpo":
-        rollout = rollout_g2rpo(rollout_velocity, noise, sigmas, gens, group_size=G, sde_steps=steps,
-                                granularities=args.granularities, eta=args.eta, max_batch=args.max_batch)
-    else:
-        rollout = (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
-            rollout_velocity, noise, sigmas, gens, group_size=G, sde_steps=steps, eta=args.eta,
-            max_batch=args.max_batch)
+    rollout = roll_out(args, make_velocity_fn(args, policy, policy.transformer, cond), noise, sigmas, gens, steps)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
@@ -488,6 +504,16 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     return metrics
 
 
+def roll_out(args, velocity_fn, noise, sigmas, generators, steps):
+    """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window)."""
+    if args.sampling == "g2rpo":
+        return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps,
+                             granularities=args.granularities, eta=args.eta, max_batch=args.max_batch)
+    return (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
+        velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps, eta=args.eta,
+        max_batch=args.max_batch)
+
+
 def trained_steps(args, it):
     """The SDE steps of iteration `it`: --sde-steps, or the mixed sampler's window."""
     if args.sampling != "mixed":
@@ -510,38 +536,62 @@ def reward_metrics(args, policy, rollout, scores, batch):
     return metrics
 
 
+def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
+    """The (prompt index, seed) pairs of the held-out evaluation: `eval_prompts` prompts spread evenly over the file
+    (all of them when 0), seed-major; prompt indices are positions in the file, so the noise of a pair does not
+    depend on the subset (evaluate.py draws the same)."""
+    n = min(eval_prompts or num_prompts, num_prompts)
+    chosen = sorted({i * num_prompts // n for i in range(n)})
+    return [(p, s) for s in range(eval_seeds) for p in chosen]
+
+
+GRID_IMAGES = 24  # images of the first evaluation batch kept (on the CPU) for the sample grid
+
+
 @torch.no_grad()
 def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     """Held-out reward of the deterministic (ODE) images on fixed seeds; with an EMA, of the EMA weights.
-    Returns metrics and this rank's images."""
-    items = [(p, s) for s in range(args.eval_seeds) for p in range(len(eval_prompts))]
+    Encodes, samples, decodes and scores --max-batch items at a time, so no phase of it needs more memory than a
+    rollout call. Returns metrics and up to GRID_IMAGES of this rank's images (on the CPU)."""
+    items = eval_items(len(eval_prompts), args.eval_prompts, args.eval_seeds)
     per_rank = -(-len(items) // world)
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
-    prompts = [eval_prompts[p] for p, _ in mine]
-    gens = [eval_noise_generator(p, s) for p, s in mine]
-    cond = policy.adapter.encode(prompts)
+    names = list(policy.reward_fns)
+    per_seed = torch.zeros(len(names), args.eval_seeds, 2, dtype=torch.float64)  # (R, seeds, (sum, count))
+    grid = []
     if policy.ema is not None:
         policy.ema.swap()
-    x0, _, _ = ode_sample(make_velocity_fn(args, policy, policy.transformer, cond),
-                          policy.adapter.noise(gens, args.resolution), sigmas, max_batch=args.max_batch)
-    if policy.ema is not None:
-        policy.ema.swap()
-    images = torch.cat([policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)
-                        for i in range(0, len(mine), args.reward_batch_size)])
+    try:
+        for start in range(0, len(mine), args.max_batch):
+            chunk = mine[start : start + args.max_batch]
+            prompts = [eval_prompts[p] for p, _ in chunk]
+            cond = policy.adapter.encode(prompts)
+            noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.resolution)  # (b, ...)
+            velocity_fn = make_velocity_fn(args, policy, policy.transformer, cond)
+            x0, _, _ = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch, keep_trajectory=False)
+            for i in range(0, len(chunk), args.reward_batch_size):
+                images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)  # (b', 3, H, W)
+                batch = chunk[i : i + args.reward_batch_size]
+                for r, fn in enumerate(policy.reward_fns.values()):
+                    scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
+                    for n, ((_, s), v) in enumerate(zip(batch, scores)):
+                        if start + i + n < valid:  # not a padding item
+                            per_seed[r, s] += torch.tensor([float(v), 1.0], dtype=torch.float64)
+                if len(grid) < GRID_IMAGES:
+                    grid.extend(images[: GRID_IMAGES - len(grid)].cpu())
+    finally:
+        if policy.ema is not None:
+            policy.ema.swap()
+    if distributed:
+        dist.all_reduce(per_seed)
     metrics = {}
-    for name, fn in policy.reward_fns.items():
-        scores = fn(images, prompts).cpu()[:valid]
-        per_seed = torch.zeros(args.eval_seeds, 2, dtype=torch.float64)  # (sum, count) per seed
-        for (_, s), v in zip(mine[:valid], scores):
-            per_seed[s] += torch.tensor([float(v), 1.0], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(per_seed)
-        means = per_seed[:, 0] / per_seed[:, 1].clamp_min(1)
-        metrics[f"eval/reward/{name}"] = float(per_seed[:, 0].sum() / per_seed[:, 1].sum())
+    for r, name in enumerate(names):
+        means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
+        metrics[f"eval/reward/{name}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
         metrics[f"eval/reward_seed_std/{name}"] = float(means.std()) if args.eval_seeds > 1 else 0.0
-    return metrics, images[:valid]
+    return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -552,9 +602,10 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
     evaluate_ = lambda: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed)
+    shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     if start == 0:
         before, images = evaluate_()
-        run.save_grid(images, "eval_iter_000000.png", len(eval_prompts))
+        run.save_grid(images, "eval_iter_000000.png", shown)
         run.write_metrics(0, before)
     else:
         before = run.resume_metrics(start)
@@ -571,7 +622,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
         if done % args.eval_every == 0 or done == args.num_iterations:
             eval_metrics, images = evaluate_()
             metrics.update(eval_metrics)
-            run.save_grid(images, f"eval_iter_{done:06d}.png", len(eval_prompts))
+            run.save_grid(images, f"eval_iter_{done:06d}.png", shown)
         run.write_metrics(done, metrics)
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",

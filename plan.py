@@ -1,0 +1,544 @@
+"""What a training run will cost before you have the hardware: the device memory and compute of one iteration of
+train.py, per GPU, from the project's own code run on fake tensors.
+
+Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no data, so a 12 B-parameter FLUX.1-dev
+runs on a laptop: every model is built from its published configuration (configs/, no weights) and driven through
+the same functions train.py calls, phase by phase, for one rank:
+  1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
+  2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
+                  rollout's own storage (train.roll_out run for real on the CPU at the real latent shape with a
+                  velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
+  3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
+  4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
+                  configured; the KL reference where --kl-beta) and g2rpo.optimizer_step (AdamW multi-tensor, as on
+                  CUDA, with its state; the EMA where --ema-decay), with the rollout kept for it;
+  5. evaluation   train.evaluate's micro-batch: encode, sample (its transformer call) and decode + score;
+and what stays resident throughout: the weights, the trained weights' optimizer state, the EMA, the conditioning.
+
+How it counts:
+  - memory: torch's MemTracker, the peak of live tensors by category (weights, gradients, optimizer state,
+    activations and temporaries, other: rollout storage, conditioning, images, EMA);
+  - compute: torch's FlopCounterMode on each distinct call shape once, times the call counts of the rollout's own
+    NFE accounting; the time floor is that over --peak-tflops (100 % of the chip's dense peak: a lower bound);
+  - attention: without a GPU torch would send fake tensors to the math kernel, which materialises the
+    (batch, heads, tokens, tokens) score matrix. The plan sends every attention call to the kernel the run takes on
+    CUDA under its --attention-backend / --rollout-attention-backend: flash in bf16 without a mask, else
+    memory-efficient, or math when asked for. Their fake implementations allocate what the kernels do (the output
+    and its log-sum-exp), and their backward what theirs does;
+  - the accelerator is simulated as a fake CPU device: torch's autograd engine asks the CUDA driver for a context
+    in every backward, which a machine without a GPU lacks. Autocast then follows torch's CPU rules for bf16, which
+    keep a few more ops (norms) in bf16 than CUDA's: activations can be a little lower than on CUDA.
+  - many GPUs: full fine-tunes are sharded with FSDP2 (`fully_shard`, as train.py does) over torch's fake process
+    group of --gpus ranks; what one rank holds is measured, the all-gathered blocks included.
+
+What it cannot simulate, add it yourself: the CUDA context and allocator fragmentation (typically 1-3 GiB and up
+to ~10 % of the peak), NCCL and cuBLAS workspaces, torch.compile, rewards that live elsewhere (imagereward runs
+inside its own package, unifiedreward on a server), and how far below the FLOP floor real kernels run.
+
+Run:
+    python plan.py --model flux --lora-rank 64 --lr 1e-4                   # one GPU, LoRA (the README's command)
+    python plan.py --model flux --lora-rank 64 --offload-text-encoders
+    python plan.py --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
+    python plan.py --model sd3                                             # SD3.5 Medium, LoRA
+    python plan.py --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import train
+from g2rpo import optimizer_step, step_loss_backward
+from models import ADAPTERS, sdpa_backends
+from run import fail
+from sampler import sigma_schedule
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+GiB = 2**30
+CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium"}
+# reward models the plan can build from a configuration: name -> (config file, builder)
+REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
+                  "pickscore": "pickscore.json", "aesthetic": "aesthetic_clip.json"}
+
+
+@dataclass
+class PlanArgs(train.Args):
+    gpus: int = 1
+    """GPUs of the run (all nodes together); the plan is of one rank. Full fine-tunes shard with FSDP2 over them."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB (A100 / H100 80 GB: 80; H200: about 140), for the "fits" line."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak of one GPU in TFLOP/s (H100 / H200 SXM: 989; A100: 312), for the time floor."""
+    configs: str = ""
+    """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The simulated device: fake tensors, their Python scalars, and the attention kernel the run would take
+# ---------------------------------------------------------------------------------------------------------------
+class NoValues(TorchDispatchMode):
+    """Python numbers read from fake tensors (a loss logged with float(), AdamW's step count) are 1: they have no
+    values. Nothing the plan measures depends on them; the rollout, whose structure does, runs on real tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cuda_attention(update_backend: str, rollout_backend: str):
+    """Every F.scaled_dot_product_attention call on fake tensors runs the kernel CUDA would choose for the phase's
+    backend (models.sdpa_backends): flash for fp16 / bf16 without a mask, memory-efficient otherwise, math when that
+    is all the backend allows. Real tensors (the real-CPU check) keep torch's own choice."""
+    original = F.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        kernels = sdpa_backends(update_backend if torch.is_grad_enabled() else rollout_backend, "cuda")
+        names = {k.name for k in kernels}
+        if isinstance(query, FakeTensor) and not enable_gqa:
+            half = query.dtype in (torch.float16, torch.bfloat16)
+            if half and attn_mask is None and names & {"FLASH_ATTENTION", "CUDNN_ATTENTION"}:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, scale=scale)[0]
+            if "EFFICIENT_ATTENTION" in names:
+                bias = None if attn_mask is None else attn_mask.to(query.dtype).expand(
+                    query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+                if bias is not None and attn_mask.dtype == torch.bool:
+                    bias = torch.zeros_like(bias).masked_fill(~attn_mask, float("-inf"))
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    query, key, value, bias, torch.is_grad_enabled(), dropout_p, is_causal, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def building(dtype, fake_mode):
+    """Modules built inside are created in `dtype`, as fake tensors when `fake_mode` (no memory, no init cost)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with fake_mode or contextlib.nullcontext(), NoValues() if fake_mode else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class Cost:
+    peak: dict  # category -> bytes at the peak: weights, grads, optimizer, activations, other, total
+    flops: int
+
+    def gib(self, category="total"):
+        return self.peak.get(category, 0) / GiB
+
+
+class _NoHook:
+    def remove(self):
+        pass
+
+
+class Tracker(MemTracker):
+    """torch's MemTracker, for frozen modules too: it puts a gradient hook on every parameter of a module it sees
+    run, which torch refuses for a parameter without gradients, so those get a hook that does nothing."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for p in module.parameters():
+            if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Gradient": "grads", "Optstate": "optimizer",
+              "Activation": "activations", "Temp": "activations", "Other": "other"}
+
+
+def measure(fn, resident=()) -> Cost:
+    """Peak live memory (counting `resident`: modules, optimizers, tensors) and FLOPs while `fn()` runs."""
+    tracker = Tracker()
+    tracker.track_external(*resident)
+    with tracker, FlopCounterMode(display=False) as flops:
+        fn()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    peak = {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0, "other": 0, "total": 0}
+    for device_peak in snapshot.values():
+        for kind, size in device_peak.items():
+            name = CATEGORIES.get(getattr(kind, "value", kind), "total")
+            peak[name] += size
+    return Cost(peak, flops.get_total_flops())
+
+
+def added(cost: Cost, extra: int, category="other") -> Cost:
+    peak = dict(cost.peak)
+    peak[category] += extra
+    peak["total"] += extra
+    return Cost(peak, cost.flops)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run's models, built from their configurations
+# ---------------------------------------------------------------------------------------------------------------
+def _json(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
+    """The run's diffusers pipeline from the configurations in `folder` (tiny: its own builder). Text encoders and
+    VAE in `dtype`, the transformer in `transformer_dtype`; tokenizers from a small vocabulary (what is measured
+    does not depend on it: prompts are padded to their fixed length)."""
+    import tiny
+
+    if args.model == "tiny":
+        with building(dtype, fake_mode):
+            pipe = tiny.build_pipeline(seed=0)
+        if transformer_dtype != dtype:
+            with building(transformer_dtype, fake_mode):
+                pipe.transformer = tiny.build_pipeline(seed=0).transformer
+        return pipe
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_tokenizer, t5_tokenizer = tiny.build_tokenizers()
+    clip_tokenizer.model_max_length, t5_tokenizer.model_max_length = 77, 512
+    with building(dtype, fake_mode):
+        vae = AutoencoderKL(**_json(folder, "vae.json"))
+        t5 = T5EncoderModel(T5Config(**_json(folder, "text_encoder_2.json" if args.model == "flux"
+                                             else "text_encoder_3.json")))
+        if args.model == "flux":
+            clip = CLIPTextModel(CLIPTextConfig(**_json(folder, "text_encoder.json")))
+        else:
+            clips = [CLIPTextModelWithProjection(CLIPTextConfig(**_json(folder, f"text_encoder{s}.json")))
+                     for s in ("", "_2")]
+    with building(transformer_dtype, fake_mode):
+        transformer_class = FluxTransformer2DModel if args.model == "flux" else SD3Transformer2DModel
+        transformer = transformer_class(**_json(folder, "transformer.json"))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
+    if args.model == "flux":
+        return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer,
+                            text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=transformer)
+    return StableDiffusion3Pipeline(scheduler=scheduler, vae=vae, transformer=transformer,
+                                    text_encoder=clips[0], tokenizer=clip_tokenizer, text_encoder_2=clips[1],
+                                    tokenizer_2=clip_tokenizer, text_encoder_3=t5, tokenizer_3=t5_tokenizer)
+
+
+def build_rewards(names, device, dtype, batch_size, fake_mode):
+    """The reward functions of rewards.py around models built from configs/rewards (fake weights). Returns the
+    functions, their modules, and the names it cannot simulate."""
+    import rewards
+
+    folder, fns, modules, skipped = os.path.join(ROOT, "configs", "rewards"), {}, [], []
+    for name in names:
+        if name == "shapes":
+            fns[name] = rewards.load_reward("shapes", device, dtype, batch_size)
+        elif name in ("hps", "clip"):
+            import open_clip
+
+            with building(dtype, fake_mode):
+                model = open_clip.model.CLIP(**_json(folder, REWARD_CONFIGS[name])).eval().requires_grad_(False)
+            size = model.visual.image_size
+            model.visual.preprocess_cfg = {"size": size if isinstance(size, tuple) else (size, size),
+                                           "mean": open_clip.OPENAI_DATASET_MEAN, "std": open_clip.OPENAI_DATASET_STD}
+            tokenizer = open_clip.get_tokenizer("ViT-H-14")
+            fns[name] = rewards._batched(rewards._open_clip_cosine(model, tokenizer, device, dtype), batch_size)
+            modules.append(model)
+        elif name in ("pickscore", "aesthetic"):
+            from transformers import CLIPConfig, CLIPModel
+
+            with building(dtype, fake_mode):
+                model = CLIPModel(CLIPConfig(**_json(folder, REWARD_CONFIGS[name]))).eval().requires_grad_(False)
+            fns[name] = rewards._batched(_clip_image_text_score(model, device, dtype), batch_size)
+            modules.append(model)
+        else:
+            skipped.append(name)
+    return fns, modules, skipped
+
+
+def _clip_image_text_score(model, device, dtype):
+    """PickScore's computation (rewards.pickscore) on a model built here: 224 px CLIP features of image and text."""
+    import rewards
+    from transformers import CLIPImageProcessor
+
+    import tiny
+
+    tokenizer, ip = tiny.build_tokenizers()[0], CLIPImageProcessor()
+
+    def score(images, prompts):
+        pixels = rewards.preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std)
+        text = tokenizer(prompts, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
+        image = F.normalize(rewards._projected(model.get_image_features(pixel_values=pixels.to(dtype))), dim=-1)
+        text = F.normalize(rewards._projected(model.get_text_features(**text.to(device))), dim=-1)
+        return model.logit_scale.exp().float() * (image * text).sum(-1)
+
+    return score
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One iteration, phase by phase
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    phase: str
+    cost: Cost  # the peak while it runs; flops of one call
+    calls: float  # per iteration (evaluation: per evaluation)
+    note: str = ""
+
+
+def _fake_copy(tensor, fake_mode):
+    return fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+
+
+def plan(args, fake: bool = True, log=print):
+    """The rows of the plan for one rank of `args.gpus`, and notes. With `fake=False` the same phases run on real
+    tensors on this CPU (the plan's check: tests/test_plan.py compares the two)."""
+    with placed_as_built() if fake else contextlib.nullcontext():
+        return _plan(args, fake, log)
+
+
+@contextlib.contextmanager
+def placed_as_built():
+    """nn.Module.to() leaves a module of fake tensors as it is: the plan builds every module where and in the dtype
+    the run puts it, and torch cannot move fake parameters (it swaps them, which their weak references forbid).
+    Offloading's moves therefore cost nothing here: an offloaded encoder counts only while it encodes."""
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        if any(isinstance(p, FakeTensor) for p in module.parameters()):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def _plan(args, fake, log):
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    device = torch.device("cpu")
+    dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    full = args.lora_rank == 0
+    folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
+    started = time.time()
+    torch.manual_seed(args.seed)
+
+    # --- the models, as train.build_policy makes them -----------------------------------------------------------
+    pipe = build_pipeline(args, folder, dtype, torch.float32 if full else dtype, fake_mode)
+    pipe.set_progress_bar_config(disable=True)
+    adapter = ADAPTERS[args.model](
+        pipe, device, dtype, guidance=args.guidance, max_sequence_length=args.max_sequence_length,
+        offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
+        rollout_attention_backend=args.rollout_attention_backend)
+    with fake_mode or contextlib.nullcontext():  # LoRA weights and the KL copy as fake tensors too
+        policy = train.make_policy(args, adapter, {}, device, dtype, distributed=False, foreach=True)
+    reward_fns, reward_modules, skipped = build_rewards(list(train.rewards.parse_rewards(args.rewards)), device,
+                                                        dtype, args.reward_batch_size, fake_mode)
+    policy.reward_fns.update(reward_fns)
+    log(f"built the models from {os.path.relpath(folder, ROOT) if args.model != 'tiny' else 'tiny.py'} "
+        f"({time.time() - started:.0f} s)")
+    # AdamW's state exists from the first step on: create it (zero gradients, one step) so every phase counts it
+    with NoValues():
+        for p in policy.params:
+            p.grad = torch.zeros_like(p)
+        policy.optimizer.step()
+        policy.optimizer.zero_grad(set_to_none=True)
+    encoders = [m for m in adapter.frozen_modules() if m is not pipe.vae]
+    on_device = [policy.transformer, pipe.vae, *reward_modules] + ([policy.reference] if policy.reference else [])
+    resident = [*on_device, *([] if args.offload_text_encoders else encoders), policy.optimizer,
+                *(policy.ema.shadow if policy.ema else [])]
+
+    # --- the shapes of one iteration -----------------------------------------------------------------------------
+    world = args.gpus
+    B = (args.prompts_per_iteration or world) // world  # prompts per rank
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    steps = train.trained_steps(args, 0)
+    prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
+    generators = train.generators(args.seed, 0, range(B))
+    noise = adapter.noise(generators, args.resolution)  # (B, ...) real: the rollout runs for real
+    rows, notes = [], []
+    kernels = cuda_attention(args.attention_backend, args.rollout_attention_backend)
+    values = NoValues() if fake else contextlib.nullcontext()
+
+    with kernels, values:
+        # 1. text encoding: this rank's prompts, and an evaluation micro-batch
+        cond = {}
+        encode = measure(lambda: cond.update(adapter.encode(prompts)), resident)
+        rows.append(Row(f"encode {B} prompt{'s' * (B > 1)}", encode, 1))
+        resident_cond = resident + list(cond.values())
+
+        # 2. rollout: its storage for real on the CPU, one transformer call at its largest batch on the device
+        storage, calls = rollout_storage(args, noise, sigmas, generators, steps)
+        largest = max(b for b, _ in calls)
+        latents = torch.zeros(largest, *noise.shape[1:])  # (n, ...) a call's input
+        velocity = train.make_velocity_fn(args, policy, policy.transformer, cond)
+        index = torch.arange(largest) % B
+        with torch.no_grad():
+            call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest), index),
+                           resident_cond)
+        per_image = call.flops / largest
+        nfe = sum(b for b, _ in calls)
+        rows.append(Row(f"rollout: {len(calls)} calls, {nfe} NFE (largest {largest})",
+                        Cost(added(call, max(s for _, s in calls)).peak, per_image * nfe / len(calls)), len(calls)))
+        log(f"rollout simulated ({time.time() - started:.0f} s)")
+
+        # 3. decode and score: the reward batch; every completion and the anchor are scored this way
+        rollout = storage["rollout"]
+        rollout_tensors = [_fake_copy(t, fake_mode) for t in (rollout.latents, rollout.next_latents,
+                                                             rollout.old_log_probs, rollout.final_latents)]
+        final = rollout.final_latents.flatten(0, 3)  # (M, ...)
+        n = min(args.reward_batch_size, final.shape[0])
+        batch = _fake_copy(final[:n], fake_mode)
+        reward = measure(lambda: [fn(adapter.decode(batch, args.resolution), prompts[:1] * n)
+                                  for fn in policy.reward_fns.values()], resident_cond + rollout_tensors)
+        scored = final.shape[0] + (B if rollout.anchor_final is not None else 0)
+        rows.append(Row(f"decode + reward, batch {n}", reward, math.ceil(scored / n)))
+        log(f"decode and rewards simulated ({time.time() - started:.0f} s)")
+
+        # 4. the update of one trained step (the others are alike), and the optimizer step
+        fake_rollout = type(rollout)(*rollout_tensors, None, rollout.sde_steps, rollout.nfe, rollout.calls)
+        advantages = torch.zeros(B, args.group_size)  # (B, G): values do not change the cost
+        update_velocity = train.make_velocity_fn(args, policy, policy.model, cond)
+        reference = train.reference_velocity_fn(args, policy, cond)
+
+        def update():
+            step_loss_backward(update_velocity, fake_rollout, advantages, sigmas, 0, eta=args.eta,
+                               clip_range=args.clip_range, loss_scale=1.0, max_batch=args.max_batch,
+                               kl_beta=args.kl_beta, reference_velocity_fn=reference)
+            optimizer_step(policy.params, policy.optimizer, args.max_grad_norm)
+            if policy.ema is not None:
+                policy.ema.update(0)
+
+        update_cost = measure(update, resident_cond + rollout_tensors)
+        starts = rollout.latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G (full SDE)
+        chunks = math.ceil(starts / args.max_batch)
+        rows.append(Row(f"update: {len(steps)} steps x {chunks} chunk{'s' * (chunks > 1)} of "
+                        f"{min(starts, args.max_batch)}, fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
+                        update_cost, len(steps)))
+        log(f"update simulated ({time.time() - started:.0f} s)")
+
+        # 5. evaluation, one micro-batch of train.evaluate: encode, sample, decode + score
+        items = train.eval_items(args_eval_prompt_count(args), args.eval_prompts, args.eval_seeds)
+        per_rank = -(-len(items) // world)
+        eval_batch = min(args.max_batch, per_rank)
+        eval_cond = {}
+        eval_encode = measure(lambda: eval_cond.update(adapter.encode(prompts[:1] * eval_batch)), resident)
+        if eval_batch == largest:
+            eval_call = call
+        else:
+            eval_velocity = train.make_velocity_fn(args, policy, policy.transformer, eval_cond)
+            eval_latents = torch.zeros(eval_batch, *noise.shape[1:])
+            with torch.no_grad():
+                eval_call = measure(lambda: eval_velocity(_fake_copy(eval_latents, fake_mode),
+                                                          sigmas[0].expand(eval_batch), torch.arange(eval_batch)),
+                                    resident + list(eval_cond.values()))
+        eval_peak = max((eval_encode, eval_call, reward), key=lambda c: c.peak["total"])
+        eval_flops = eval_encode.flops + eval_call.flops * args.num_steps + reward.flops * eval_batch / n
+        evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
+        rows.append(Row(f"evaluation: {per_rank} images in {math.ceil(per_rank / eval_batch)} micro-batches of "
+                        f"{eval_batch}", Cost(eval_peak.peak, eval_flops), math.ceil(per_rank / eval_batch),
+                        note=f"{evaluations} evaluations per run"))
+        log(f"evaluation simulated ({time.time() - started:.0f} s)")
+
+    eval_nfe = evaluations * len(items) * args.num_steps
+    rollout_nfe = args.num_iterations * nfe * world
+    notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
+                 f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
+                 f"{rollout_nfe:,}")
+    if skipped:
+        notes.append(f"not simulated (their models live outside this process's device code): {', '.join(skipped)}")
+    return rows, notes, evaluations
+
+
+def args_eval_prompt_count(args):
+    """Held-out prompts in --eval-prompt-file (HPDv2's test set has 400 when the file is not written yet)."""
+    if os.path.isfile(args.eval_prompt_file):
+        with open(args.eval_prompt_file, encoding="utf-8") as f:
+            return sum(1 for line in f if line.strip())
+    return 400
+
+
+@torch.no_grad()
+def rollout_storage(args, noise, sigmas, generators, steps):
+    """Run train.roll_out for real on the CPU with a velocity of zeros: the rollout keeps what it keeps in a real
+    run (anchor, branches, completions), at the real latent shape. Returns {"rollout": the Rollout} and, per
+    transformer call, (batch, bytes the rollout holds at that call)."""
+    tracker, calls = Tracker(), []
+
+    def zero_velocity(x, sigma, prompt_index):
+        held = sum(device["Total"] for device in tracker.get_tracker_snapshot().values())
+        calls.append((x.shape[0], held))
+        return torch.zeros(x.shape, dtype=torch.float32)
+
+    tracker.track_external(noise)
+    with tracker:
+        rollout = train.roll_out(args, zero_velocity, noise, sigmas, generators, steps)
+    return {"rollout": rollout}, calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------------------------
+def report(args, rows, notes, evaluations) -> str:
+    """One markdown table, the notes, and the closing line."""
+    iteration_flops = sum(r.cost.flops * r.calls for r in rows[:-1]) + rows[-1].cost.flops * rows[-1].calls * (
+        evaluations / args.num_iterations)
+    mode = ("LoRA rank %d" % args.lora_rank if args.lora_rank else "full fine-tune") + (
+        ", FSDP2 over %d GPUs" % args.gpus if args.gpus > 1 and not args.lora_rank else
+        ", DDP over %d GPUs" % args.gpus if args.gpus > 1 else ", 1 GPU")
+    lines = [f"plan: --model {args.model}, {mode}, {args.resolution}^2, G {args.group_size}, N {args.num_steps}, "
+             f"{args.mixed_precision}, per rank; simulated on fake tensors, not measured on hardware", "",
+             "| phase | peak GiB | weights | grads | optimizer | activations | other | TFLOP per call | calls | "
+             "time floor s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        p = {k: v / GiB for k, v in row.cost.peak.items()}
+        floor = row.cost.flops * row.calls / (args.peak_tflops * 1e12)
+        lines.append(f"| {row.phase} | {p['total']:.1f} | {p['weights']:.1f} | {p['grads']:.1f} | "
+                     f"{p['optimizer']:.1f} | {p['activations']:.1f} | {p['other']:.1f} | "
+                     f"{row.cost.flops / 1e12:.2f} | {row.calls:g}{' (' + row.note + ')' if row.note else ''} | "
+                     f"{floor:.2f} |")
+    lines += ["", f"one iteration: {iteration_flops / 1e12:.0f} TFLOP per rank (evaluation amortised), time floor "
+                  f"{iteration_flops / (args.peak_tflops * 1e12):.1f} s at {args.peak_tflops:g} TFLOP/s; "
+                  f"{args.num_iterations} iterations: {args.num_iterations * iteration_flops / (args.peak_tflops * 1e12) / 3600:.1f} h"]
+    lines += notes
+    worst = max(rows, key=lambda r: r.cost.peak["total"])
+    need = worst.cost.peak["total"] / GiB
+    lines.append(f"fits in {args.gpu_memory_gib:g} GiB: yes (largest phase: {worst.phase.split(':')[0]}, "
+                 f"{need:.1f} GiB)" if need <= args.gpu_memory_gib else
+                 f"no: phase {worst.phase.split(':')[0]} needs {need:.1f} GiB")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = train.parse_args(argv, PlanArgs)
+    if args.gpus < 1:
+        fail(f"--gpus {args.gpus}: must be >= 1")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0 and args.peak_tflops > 0):
+        fail("--gpu-memory-gib and --peak-tflops must be > 0")
+    train.check_flags(args, args.gpus, log=print)
+    folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
+    if args.model != "tiny" and not os.path.isfile(os.path.join(folder, "transformer.json")):
+        fail(f"--configs '{folder}' holds no transformer.json; pass the folder of the model's configurations")
+    rows, notes, evaluations = plan(args, log=lambda m: print(m, file=sys.stderr))
+    print(report(args, rows, notes, evaluations))
+
+
+if __name__ == "__main__":
+    main()
