@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -154,9 +155,9 @@ class _NoHook:
         pass
 
 
-class Tracker(MemTracker):
-    """torch's MemTracker, for frozen modules too: it puts a gradient hook on every parameter of a module it sees
-    run, which torch refuses for a parameter without gradients, so those get a hook that does nothing."""
+class _FrozenModules:
+    """torch's memory trackers put a gradient hook on every parameter of a module they see run, which torch refuses
+    for a parameter without gradients (a frozen encoder): those get a hook that does nothing."""
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         for p in module.parameters():
@@ -164,15 +165,35 @@ class Tracker(MemTracker):
                 self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _update_peak_stats(self, peak_state):
+        """The device's peak only: torch's also updates a peak per module for every op, which makes a backward
+        through FLUX's thousands of modules (LoRA's included) take many minutes."""
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
 
-CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Gradient": "grads", "Optstate": "optimizer",
-              "Activation": "activations", "Temp": "activations", "Other": "other"}
+
+class Tracker(_FrozenModules, MemTracker):
+    pass
 
 
-def measure(fn, resident=()) -> Cost:
-    """Peak live memory (counting `resident`: modules, optimizers, tensors) and FLOPs while `fn()` runs."""
-    tracker = Tracker()
-    tracker.track_external(*resident)
+class FSDPTracker(_FrozenModules, FSDPMemTracker):
+    """The FSDP2 variant: it tells one rank's shards from the blocks all-gathered for a forward or backward."""
+
+
+# the trackers' categories (MemTracker's and FSDPMemTracker's) in the table's columns
+CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Sharded Param": "weights", "Unsharded Param": "weights",
+              "All Gather": "weights", "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+              "Reduce Scatter": "grads", "Optstate": "optimizer", "OptState": "optimizer",
+              "Activation": "activations", "Temp": "activations", "Other": "other", "Inputs": "other"}
+
+
+def measure(fn, resident=(), fsdp=None) -> Cost:
+    """Peak live memory (counting `resident`: modules, optimizers, tensors) and FLOPs while `fn()` runs. `fsdp`:
+    (the FSDP2 root module, its optimizer), tracked with FSDPMemTracker."""
+    tracker = FSDPTracker(*fsdp) if fsdp else Tracker()
+    tracker.track_external(*[r for r in resident if not (fsdp and any(r is f for f in fsdp))])
     with tracker, FlopCounterMode(display=False) as flops:
         fn()
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -309,7 +330,18 @@ def plan(args, fake: bool = True, log=print):
     """The rows of the plan for one rank of `args.gpus`, and notes. With `fake=False` the same phases run on real
     tensors on this CPU (the plan's check: tests/test_plan.py compares the two)."""
     with placed_as_built() if fake else contextlib.nullcontext():
-        return _plan(args, fake, log)
+        if not (args.gpus > 1 and args.lora_rank == 0):
+            return _plan(args, fake, log)
+        # FSDP2 over --gpus ranks: torch's fake process group stands in for the others; this process is rank 0
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=args.gpus, store=FakeStore())
+        try:
+            return _plan(args, fake, log, mesh=init_device_mesh("cpu", (args.gpus,)))  # built outside fake mode
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -331,7 +363,7 @@ def placed_as_built():
         torch.nn.Module.to = original
 
 
-def _plan(args, fake, log):
+def _plan(args, fake, log, mesh=None):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     device = torch.device("cpu")
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
@@ -348,7 +380,9 @@ def _plan(args, fake, log):
         offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
         rollout_attention_backend=args.rollout_attention_backend)
     with fake_mode or contextlib.nullcontext():  # LoRA weights and the KL copy as fake tensors too
-        policy = train.make_policy(args, adapter, {}, device, dtype, distributed=False, foreach=True)
+        policy = train.make_policy(args, adapter, {}, device, dtype, distributed=mesh is not None, foreach=True,
+                                   mesh=mesh)
+    fsdp = (policy.transformer, policy.optimizer) if mesh is not None else None
     reward_fns, reward_modules, skipped = build_rewards(list(train.rewards.parse_rewards(args.rewards)), device,
                                                         dtype, args.reward_batch_size, fake_mode)
     policy.reward_fns.update(reward_fns)
@@ -380,7 +414,7 @@ def _plan(args, fake, log):
     with kernels, values:
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
         cond = {}
-        encode = measure(lambda: cond.update(adapter.encode(prompts)), resident)
+        encode = measure(lambda: cond.update(adapter.encode(prompts)), resident, fsdp)
         rows.append(Row(f"encode {B} prompt{'s' * (B > 1)}", encode, 1))
         resident_cond = resident + list(cond.values())
 
@@ -392,7 +426,7 @@ def _plan(args, fake, log):
         index = torch.arange(largest) % B
         with torch.no_grad():
             call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest), index),
-                           resident_cond)
+                           resident_cond, fsdp)
         per_image = call.flops / largest
         nfe = sum(b for b, _ in calls)
         rows.append(Row(f"rollout: {len(calls)} calls, {nfe} NFE (largest {largest})",
@@ -407,7 +441,7 @@ def _plan(args, fake, log):
         n = min(args.reward_batch_size, final.shape[0])
         batch = _fake_copy(final[:n], fake_mode)
         reward = measure(lambda: [fn(adapter.decode(batch, args.resolution), prompts[:1] * n)
-                                  for fn in policy.reward_fns.values()], resident_cond + rollout_tensors)
+                                  for fn in policy.reward_fns.values()], resident_cond + rollout_tensors, fsdp)
         scored = final.shape[0] + (B if rollout.anchor_final is not None else 0)
         rows.append(Row(f"decode + reward, batch {n}", reward, math.ceil(scored / n)))
         log(f"decode and rewards simulated ({time.time() - started:.0f} s)")
@@ -426,7 +460,7 @@ def _plan(args, fake, log):
             if policy.ema is not None:
                 policy.ema.update(0)
 
-        update_cost = measure(update, resident_cond + rollout_tensors)
+        update_cost = measure(update, resident_cond + rollout_tensors, fsdp)
         starts = rollout.latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G (full SDE)
         chunks = math.ceil(starts / args.max_batch)
         rows.append(Row(f"update: {len(steps)} steps x {chunks} chunk{'s' * (chunks > 1)} of "
@@ -439,7 +473,7 @@ def _plan(args, fake, log):
         per_rank = -(-len(items) // world)
         eval_batch = min(args.max_batch, per_rank)
         eval_cond = {}
-        eval_encode = measure(lambda: eval_cond.update(adapter.encode(prompts[:1] * eval_batch)), resident)
+        eval_encode = measure(lambda: eval_cond.update(adapter.encode(prompts[:1] * eval_batch)), resident, fsdp)
         if eval_batch == largest:
             eval_call = call
         else:
@@ -448,7 +482,7 @@ def _plan(args, fake, log):
             with torch.no_grad():
                 eval_call = measure(lambda: eval_velocity(_fake_copy(eval_latents, fake_mode),
                                                           sigmas[0].expand(eval_batch), torch.arange(eval_batch)),
-                                    resident + list(eval_cond.values()))
+                                    resident + list(eval_cond.values()), fsdp)
         eval_peak = max((eval_encode, eval_call, reward), key=lambda c: c.peak["total"])
         eval_flops = eval_encode.flops + eval_call.flops * args.num_steps + reward.flops * eval_batch / n
         evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
@@ -527,7 +561,15 @@ def report(args, rows, notes, evaluations) -> str:
 
 
 def main(argv=None):
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
     args = train.parse_args(argv, PlanArgs)
+    diffusers_logging.set_verbosity_error()  # prompt truncation notes of the stand-in tokenizers
+    transformers_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # diffusers' blocks return views, as in training
     if args.gpus < 1:
         fail(f"--gpus {args.gpus}: must be >= 1")
     if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0 and args.peak_tflops > 0):

@@ -354,7 +354,7 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
     return policy
 
 
-def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None) -> Policy:
+def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
     """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
     DDP (LoRA) or FSDP2 (full) across ranks, AdamW (`foreach`: torch's default, multi-tensor on CUDA) and the EMA.
     The reward models are added by the caller (`reward_fns`)."""
@@ -378,7 +378,7 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
         model = DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
     elif distributed:
         for module in [transformer] + ([reference] if reference is not None else []):
-            _shard(module, dtype, device)
+            _shard(module, dtype, device, mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
                                   foreach=foreach)
@@ -389,15 +389,16 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
     return Policy(adapter, transformer, model, params, optimizer, {}, reward_weights, reference, ema)
 
 
-def _shard(module, dtype, device):
-    """FSDP2: shard every transformer block, then the rest; the shards alone move to the device."""
+def _shard(module, dtype, device, mesh=None):
+    """FSDP2: shard every transformer block, then the rest; the shards alone move to the device. `mesh`: the
+    ranks' device mesh (default: all ranks of the process group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for name in ("transformer_blocks", "single_transformer_blocks"):
         for block in getattr(module, name, []):
-            fully_shard(block, mp_policy=policy)
-    fully_shard(module, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
     module.to(device)
 
 

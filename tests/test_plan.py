@@ -1,0 +1,54 @@
+"""plan.py: the plan's accounting against a real CPU run of the same phases, and its table and closing line.
+
+The check: `plan.plan(args, fake=True)` builds the models on fake tensors and routes attention to the kernel CUDA
+would take; `plan.plan(args, fake=False)` runs the same phases on real tensors on this CPU (torch's own kernels).
+Each phase's peak must agree within 2 % (measured: equal to 0.1 %), with the fused kernels and with the math kernel
+(which materialises the attention scores: the fake run must count them too).
+
+Run: python -m pytest -q tests/test_plan.py     (about 40 s on 2 cores)
+"""
+import pytest
+
+import plan
+import train
+
+TOLERANCE = 0.02
+
+
+def small_args(*flags):
+    """The tiny preset, shortened: a small configuration whose every phase runs for real in seconds."""
+    return train.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", "0", "1", "--group-size", "4",
+                             "--prompts-per-iteration", "2", *flags], plan.PlanArgs)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "math"])
+def test_plan_matches_a_real_cpu_run(kernel):
+    args = small_args("--attention-backend", kernel, "--rollout-attention-backend", kernel)
+    simulated, _, _ = plan.plan(args, fake=True, log=lambda m: None)
+    real, _, _ = plan.plan(args, fake=False, log=lambda m: None)
+    assert [r.phase for r in simulated] == [r.phase for r in real]
+    for s, r in zip(simulated, real):
+        assert r.cost.peak["total"] > 0
+        assert abs(s.cost.peak["total"] - r.cost.peak["total"]) <= TOLERANCE * r.cost.peak["total"], (
+            s.phase, s.cost.peak, r.cost.peak)
+        assert s.cost.peak["weights"] == r.cost.peak["weights"], s.phase
+    if kernel == "math":  # the math kernel holds the scores: the rollout's call costs more than with flash
+        fused, _, _ = plan.plan(small_args(), fake=True, log=lambda m: None)
+        assert simulated[1].cost.peak["activations"] > 1.2 * fused[1].cost.peak["activations"]
+
+
+def test_fsdp_shards_what_one_rank_holds():
+    """Two ranks of FSDP2 on the fake process group: each holds half the optimizer state of one, and less weight."""
+    one, _, _ = plan.plan(small_args(), log=lambda m: None)
+    two, _, _ = plan.plan(small_args("--gpus", "2"), log=lambda m: None)
+    update_one, update_two = one[3].cost.peak, two[3].cost.peak
+    assert update_two["optimizer"] == pytest.approx(update_one["optimizer"] / 2, rel=0.05)
+    assert update_two["weights"] < update_one["weights"]  # its shard, plus the blocks gathered for a forward
+
+
+def test_report_says_whether_it_fits(capsys):
+    plan.main(["--model", "tiny", "--num-steps", "4", "--sde-steps", "0", "1", "--gpu-memory-gib", "0.001"])
+    out = capsys.readouterr().out
+    assert "| phase | peak GiB |" in out and "| update:" in out and "| evaluation:" in out
+    assert out.strip().splitlines()[-1].startswith("no: phase ")
+    assert "of the rollouts'" in out
