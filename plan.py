@@ -165,6 +165,14 @@ class _FrozenModules:
                 self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _pre_fw_hook(self, module, inputs):
+        """A module called again at the top level (SD3 encodes its prompts and the empty negative prompt with the
+        same text encoder) starts afresh: torch's tracker would take it for a second training iteration."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _update_peak_stats(self, peak_state):
         """The device's peak only: torch's also updates a peak per module for every op, which makes a backward
         through FLUX's thousands of modules (LoRA's included) take many minutes."""
@@ -179,7 +187,18 @@ class Tracker(_FrozenModules, MemTracker):
 
 
 class FSDPTracker(_FrozenModules, FSDPMemTracker):
-    """The FSDP2 variant: it tells one rank's shards from the blocks all-gathered for a forward or backward."""
+    """The FSDP2 variant: it tells one rank's shards from the blocks all-gathered for a forward or backward. It
+    tracks the FSDP2 module alone; the other modules and tensors are tracked as MemTracker does."""
+
+    def track_external(self, *external):
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+        for item in external:  # its categories have no plain "Parameter": a frozen module's weights count as buffers
+            if isinstance(item, torch.nn.Module):
+                for t in [*item.parameters(), *item.buffers()]:
+                    self._update_and_maybe_create_winfos(t, _FSDPRefType.BUFFER)
+            elif isinstance(item, torch.Tensor):
+                self._update_and_maybe_create_winfos(item, _FSDPRefType.INP)
 
 
 # the trackers' categories (MemTracker's and FSDPMemTracker's) in the table's columns
@@ -189,13 +208,18 @@ CATEGORIES = {"Parameter": "weights", "Buffer": "weights", "Sharded Param": "wei
               "Activation": "activations", "Temp": "activations", "Other": "other", "Inputs": "other"}
 
 
-def measure(fn, resident=(), fsdp=None) -> Cost:
+def measure(fn, resident=(), fsdp=None, flops_apart=False) -> Cost:
     """Peak live memory (counting `resident`: modules, optimizers, tensors) and FLOPs while `fn()` runs. `fsdp`:
-    (the FSDP2 root module, its optimizer), tracked with FSDPMemTracker."""
+    (the FSDP2 root module, its optimizer), tracked with FSDPMemTracker. `flops_apart`: count the FLOPs in a second
+    run of `fn`, for a backward through checkpoints: torch's FLOP counter keeps the checkpointed blocks'
+    activations alive (it holds them for its per-module counts), which would hide what checkpointing saves."""
     tracker = FSDPTracker(*fsdp) if fsdp else Tracker()
     tracker.track_external(*[r for r in resident if not (fsdp and any(r is f for f in fsdp))])
-    with tracker, FlopCounterMode(display=False) as flops:
+    with tracker, FlopCounterMode(display=False) if not flops_apart else contextlib.nullcontext() as flops:
         fn()
+    if flops_apart:
+        with FlopCounterMode(display=False) as flops:
+            fn()
     snapshot = tracker.get_tracker_snapshot("peak")
     peak = {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0, "other": 0, "total": 0}
     for device_peak in snapshot.values():
@@ -412,9 +436,11 @@ def _plan(args, fake, log, mesh=None):
     values = NoValues() if fake else contextlib.nullcontext()
 
     with kernels, values:
+        rows.append(Row("resident between phases (weights, optimizer state, EMA)", measure(lambda: None, resident,
+                                                                                            fsdp), 0))
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
         cond = {}
-        encode = measure(lambda: cond.update(adapter.encode(prompts)), resident, fsdp)
+        encode = measure(lambda: cond.update(adapter.encode(prompts)), resident + encoders, fsdp)
         rows.append(Row(f"encode {B} prompt{'s' * (B > 1)}", encode, 1))
         resident_cond = resident + list(cond.values())
 
@@ -460,7 +486,7 @@ def _plan(args, fake, log, mesh=None):
             if policy.ema is not None:
                 policy.ema.update(0)
 
-        update_cost = measure(update, resident_cond + rollout_tensors, fsdp)
+        update_cost = measure(update, resident_cond + rollout_tensors, fsdp, flops_apart=True)
         starts = rollout.latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G (full SDE)
         chunks = math.ceil(starts / args.max_batch)
         rows.append(Row(f"update: {len(steps)} steps x {chunks} chunk{'s' * (chunks > 1)} of "
@@ -473,7 +499,8 @@ def _plan(args, fake, log, mesh=None):
         per_rank = -(-len(items) // world)
         eval_batch = min(args.max_batch, per_rank)
         eval_cond = {}
-        eval_encode = measure(lambda: eval_cond.update(adapter.encode(prompts[:1] * eval_batch)), resident, fsdp)
+        eval_encode = measure(lambda: eval_cond.update(adapter.encode(prompts[:1] * eval_batch)), resident + encoders,
+                              fsdp)
         if eval_batch == largest:
             eval_call = call
         else:
@@ -486,8 +513,8 @@ def _plan(args, fake, log, mesh=None):
         eval_peak = max((eval_encode, eval_call, reward), key=lambda c: c.peak["total"])
         eval_flops = eval_encode.flops + eval_call.flops * args.num_steps + reward.flops * eval_batch / n
         evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
-        rows.append(Row(f"evaluation: {per_rank} images in {math.ceil(per_rank / eval_batch)} micro-batches of "
-                        f"{eval_batch}", Cost(eval_peak.peak, eval_flops), math.ceil(per_rank / eval_batch),
+        rows.append(Row(f"evaluation: {per_rank} images, micro-batches of {eval_batch} (per evaluation)",
+                        Cost(eval_peak.peak, eval_flops), math.ceil(per_rank / eval_batch),
                         note=f"{evaluations} evaluations per run"))
         log(f"evaluation simulated ({time.time() - started:.0f} s)")
 
@@ -544,11 +571,11 @@ def report(args, rows, notes, evaluations) -> str:
     for row in rows:
         p = {k: v / GiB for k, v in row.cost.peak.items()}
         floor = row.cost.flops * row.calls / (args.peak_tflops * 1e12)
-        lines.append(f"| {row.phase} | {p['total']:.1f} | {p['weights']:.1f} | {p['grads']:.1f} | "
-                     f"{p['optimizer']:.1f} | {p['activations']:.1f} | {p['other']:.1f} | "
+        lines.append(f"| {row.phase} | {p['total']:.2f} | {p['weights']:.2f} | {p['grads']:.2f} | "
+                     f"{p['optimizer']:.2f} | {p['activations']:.2f} | {p['other']:.2f} | "
                      f"{row.cost.flops / 1e12:.2f} | {row.calls:g}{' (' + row.note + ')' if row.note else ''} | "
                      f"{floor:.2f} |")
-    lines += ["", f"one iteration: {iteration_flops / 1e12:.0f} TFLOP per rank (evaluation amortised), time floor "
+    lines += ["", f"one iteration: {iteration_flops / 1e12:,.0f} TFLOP per rank (evaluation amortised), time floor "
                   f"{iteration_flops / (args.peak_tflops * 1e12):.1f} s at {args.peak_tflops:g} TFLOP/s; "
                   f"{args.num_iterations} iterations: {args.num_iterations * iteration_flops / (args.peak_tflops * 1e12) / 3600:.1f} h"]
     lines += notes
