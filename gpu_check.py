@@ -2,12 +2,12 @@
 
 Every part goes through the trainer's own code: `models.FluxAdapter.velocity` (the one place a transformer is
 called, with its attention kernels and compilation), `models.add_lora` (the trainer's LoRA targets),
-`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `models.check_gradient`.
+`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `kernels.check_gradient` with `kernels.update_loss`.
   1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator: no skipped optimizer step, and the
                 train and held-out rewards rise.
   2. gradient:  a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA r64, gradient
                 checkpointing, 720^2: the update's gradient is finite and matches the math attention kernel's
-                (`models.check_gradient`), and one `g2rpo_update` step is taken, not skipped.
+                (`kernels.check_gradient`), and one `g2rpo_update` step is taken, not skipped.
   3. iteration: one full G2RPO iteration at 720^2, G 12, M 0..7, Lambda {1, 2}: seconds for the rollout, decode +
                 reward and the update; peak memory; the rollout's TFLOP/s and its share of the chip's dense bf16
                 peak; and how far the first update's ratios are from 1 (lr 0, so every step sees the rollout's
@@ -194,25 +194,6 @@ def one_step_rollout(velocity_fn, noise, sigmas, group_size, eta):
                    calls=1)  # (1, 1, 1, ...), (1, 1, G, ...), (1, 1, G)
 
 
-def update_loss(velocity_fn, rollout, advantages, sigmas, eta):
-    """The update's loss for the first prompt at the first trained step, as a closure for `check_gradient`: one
-    forward scores all G members, through `g2rpo.clipped_loss` without its clip (at the first step r = 1, where the
-    clip's mask flips on ratio differences of 1e-4, which the reference kernel's rounding alone makes)."""
-    from g2rpo import clipped_loss
-    from sampler import sde_step
-
-    k = rollout.sde_steps[0]
-    start, targets = rollout.latents[:1, 0, 0], rollout.next_latents[0, 0]  # (1, ...), (G, ...)
-    G, index = targets.shape[0], torch.zeros(1, dtype=torch.long, device=start.device)
-
-    def loss_fn():
-        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
-        _, log_probs = sde_step(start.expand(G, *start.shape[1:]), velocity.expand(G, *start.shape[1:]), sigmas, k,
-                                eta, next_latents=targets)  # (G,)
-        return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0], advantages[:1, 0], float("inf"))
-    return loss_fn
-
-
 def peak_gib():
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
@@ -254,6 +235,7 @@ def iteration_nfe(scale: Scale) -> int:
 def case_gradient(scale: Scale, case: dict) -> dict:
     """Part 2: the update's gradient under the run's kernels against the math kernel's; then one real update step."""
     from g2rpo import g2rpo_update
+    from kernels import update_loss
     from sampler import sigma_schedule
 
     adapter, cond, params = build(scale, {})
@@ -263,8 +245,8 @@ def case_gradient(scale: Scale, case: dict) -> dict:
                                sigmas, scale.group_size, ETA)
     advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2))  # (B, K, G)
     advantages = advantages.to(adapter.device)
-    check, seconds = timed(lambda: adapter.check_gradient(update_loss(velocity_fn, rollout, advantages, sigmas, ETA),
-                                                          params))
+    loss_fn = update_loss(velocity_fn, rollout, sigmas, ETA, advantages)
+    check, seconds = timed(lambda: adapter.kernels.check_gradient(loss_fn, params))
     stats = g2rpo_update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages, sigmas,
                          eta=ETA, clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
     return dict(ok=check.ok and stats["skipped_steps"] == 0, message=check.message, cosine=check.cosine,
@@ -277,6 +259,7 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
     """Timed rollout forwards at each max batch and timed update steps (after one untimed call each, which compiles
     when compiling), their TFLOP/s and share of peak, and the seconds per phase of one iteration projected from them."""
     from g2rpo import g2rpo_update
+    from kernels import update_loss
     from sampler import sigma_schedule
 
     sigmas, device = sigma_schedule(scale.num_steps, SHIFT), adapter.device
@@ -286,7 +269,7 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
     optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: the ratio compares the update's forward with the rollout's
     update = lambda: g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA,
                                   clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
-    update_flops = count_flops(lambda: update_loss(velocity_fn, rollout, advantages, sigmas, ETA)().backward())
+    update_flops = count_flops(lambda: update_loss(velocity_fn, rollout, sigmas, ETA, advantages)().backward())
     optimizer.zero_grad(set_to_none=True)
     _, update_warmup = timed(update)
     stats, update_s = timed(update)
@@ -485,7 +468,8 @@ def report(result: dict):
               f"update skipped steps | peak GiB | ok |\n|---|---|---|---|---|---|---|---|")
         print(f"| LoRA {result['resolution']}² | {result['cosine']:.5f} | {_num(result['relative_error'])} | "
               f"{_num(result['norm'])} | {_num(result['reference_norm'])} | {result['skipped_steps']} | "
-              f"{_num(result['peak_gib'])} | {result['ok']} |\n\n{result['message']}")
+              f"{_num(result['peak_gib'])} | {result['ok']} |\n\n"
+              f"gradient check {'passed' if result['ok'] else 'failed'}: {result['message']}")
     elif kind == "iteration":
         s = result["seconds"]
         print("| one iteration | NFE | rollout s | decode + reward s | update s | peak GiB | rollout TFLOP/s | "

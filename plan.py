@@ -60,7 +60,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import train
 from g2rpo import optimizer_step, step_loss_backward
-from models import ADAPTERS, sdpa_backends
+from kernels import sdpa_backends
+from models import ADAPTERS
 from run import fail
 from sampler import sigma_schedule
 
@@ -100,7 +101,7 @@ class NoValues(TorchDispatchMode):
 @contextlib.contextmanager
 def cuda_attention(update_backend: str, rollout_backend: str):
     """Every F.scaled_dot_product_attention call on fake tensors runs the kernel CUDA would choose for the phase's
-    backend (models.sdpa_backends): flash for fp16 / bf16 without a mask, memory-efficient otherwise, math when that
+    backend (kernels.sdpa_backends): flash for fp16 / bf16 without a mask, memory-efficient otherwise, math when that
     is all the backend allows. Real tensors (the real-CPU check) keep torch's own choice."""
     original = F.scaled_dot_product_attention
 

@@ -38,7 +38,8 @@ import checkpoint
 import rewards
 from advantage import granular_advantages
 from g2rpo import g2rpo_update
-from models import ADAPTERS, ATTENTION_BACKENDS, RESOLUTION_MULTIPLE, ModelLoadError, add_lora
+from kernels import ATTENTION_BACKENDS, update_loss
+from models import ADAPTERS, RESOLUTION_MULTIPLE, ModelLoadError, add_lora
 from run import EMA, Run, all_mean, any_rank, eval_noise_generator, fail, read_prompts
 from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step,
                      sigma_schedule, window_steps)
@@ -656,18 +657,8 @@ def gradient_check(args, policy, sigmas, log):
 
     def check(update_velocity, rollout, advantages):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
-        k, members = rollout.sde_steps[0], rollout.next_latents.shape[2] // rollout.latents.shape[2]
-        start = rollout.latents[:1, 0, 0]  # (1, ...)
-
-        def loss_fn():  # deterministic: it runs under each kernel in turn
-            prompt_index = torch.zeros(1, dtype=torch.long, device=start.device)
-            velocity = update_velocity(start, sigmas[k].expand(1).to(start.device), prompt_index)  # (1, ...)
-            shape = (members, *start.shape[1:])
-            _, log_probs = sde_step(start.expand(shape), velocity.expand(shape), sigmas, k, args.eta,
-                                    next_latents=rollout.next_latents[0, 0, :members])  # (G/S,)
-            return -log_probs.mean()
-
-        result = policy.adapter.check_gradient(loss_fn, policy.params)
+        loss_fn = update_loss(update_velocity, rollout, sigmas, args.eta)
+        result = policy.adapter.kernels.check_gradient(loss_fn, policy.params)
         if not result.ok:
             raise SystemExit(f"error: gradient self-check failed: {result.message}")
         log(f"gradient self-check passed: {result.message}")

@@ -19,6 +19,7 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch.nn.attention import SDPBackend
 
+import kernels
 import models
 import tiny
 from sampler import sde_step, sigma_schedule
@@ -65,7 +66,7 @@ class BrokenKernelProcessor(FluxAttnProcessor):
 
     def __call__(self, *args, **kwargs):
         out = super().__call__(*args, **kwargs)
-        if models.enabled_sdpa_backends() == [SDPBackend.MATH]:
+        if kernels.enabled_sdpa_backends() == [SDPBackend.MATH]:
             return out
         return tuple(map(WrongBackward.apply, out)) if isinstance(out, tuple) else WrongBackward.apply(out)
 
@@ -78,19 +79,19 @@ class RecordingProcessor(FluxAttnProcessor):
         self.log = log
 
     def __call__(self, *args, **kwargs):
-        self.log.append((torch.is_grad_enabled(), models.enabled_sdpa_backends()))
+        self.log.append((torch.is_grad_enabled(), kernels.enabled_sdpa_backends()))
         return super().__call__(*args, **kwargs)
 
 
 def test_kernel_choice():
-    cuda = lambda name: models.sdpa_backends(name, "cuda")
+    cuda = lambda name: kernels.sdpa_backends(name, "cuda")
     assert cuda("auto") == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     assert SDPBackend.CUDNN_ATTENTION not in cuda("auto")
     assert cuda("cudnn") == [SDPBackend.CUDNN_ATTENTION] and cuda("math") == [SDPBackend.MATH]
-    assert models.sdpa_backends("math", "cpu") == [SDPBackend.MATH]
-    assert all(models.sdpa_backends(name, "cpu") is None for name in ("auto", "flash", "efficient", "cudnn"))
+    assert kernels.sdpa_backends("math", "cpu") == [SDPBackend.MATH]
+    assert all(kernels.sdpa_backends(name, "cpu") is None for name in ("auto", "flash", "efficient", "cudnn"))
     with pytest.raises(ValueError, match="choose one of auto, flash"):
-        models.validate_attention_backend("xformers")
+        kernels.validate_attention_backend("xformers")
 
 
 def test_cuda_only_kernel_falls_back_on_cpu_with_one_note(capsys):
@@ -111,7 +112,7 @@ def test_each_phase_runs_under_its_kernels_and_the_recompute_keeps_them():
     # gradient checkpointing: the backward recomputes each block, under the forward's kernels (math here)
     adapter.transformer.enable_gradient_checkpointing()
     log.clear()
-    with adapter.reference_mode():
+    with adapter.kernels.reference_mode():
         loss_fn().backward()
     blocks = len(adapter.transformer.transformer_blocks) + len(adapter.transformer.single_transformer_blocks)
     assert len(log) == 2 * blocks and all(kernels == [SDPBackend.MATH] for _, kernels in log)
@@ -122,7 +123,7 @@ def test_gradient_check_passes_on_the_right_gradient(dtype):
     adapter = make_adapter(dtype)
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
-    result = adapter.check_gradient(update_loss(adapter), params)
+    result = adapter.kernels.check_gradient(update_loss(adapter), params)
     assert result.ok, result.message
     assert result.cosine > 0.9999 and result.relative_error < 1e-2 and result.norm > 0
     assert (result.fp32_cosine > 0.9) if dtype == torch.bfloat16 else result.fp32_cosine != result.fp32_cosine
@@ -136,7 +137,7 @@ def test_gradient_check_fails_on_a_broken_kernel(checkpointing):
     if checkpointing:  # the reference stays right only if the recompute keeps the math kernel
         adapter.transformer.enable_gradient_checkpointing()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    result = adapter.check_gradient(update_loss(adapter), params)
+    result = adapter.kernels.check_gradient(update_loss(adapter), params)
     assert not result.ok and result.cosine < 0.9
     assert "cause: the attention kernel" in result.message and "fix: --attention-backend math" in result.message
     assert all(p.grad is None for p in params)
@@ -146,7 +147,7 @@ def test_gradient_check_names_precision_when_only_fp32_disagrees():
     """A bf16 run on fp32 weights whose gradient is far from fp32's (a tolerance no bf16 run can meet)."""
     adapter = make_adapter(torch.bfloat16)
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    result = adapter.check_gradient(update_loss(adapter), params, min_fp32_cosine=0.9999)
+    result = adapter.kernels.check_gradient(update_loss(adapter), params, min_fp32_cosine=0.9999)
     assert not result.ok and result.cosine > 0.99
     assert "cause: bf16 precision" in result.message and "fix: --mixed-precision no" in result.message
 
@@ -155,7 +156,7 @@ def test_gradient_check_bounds_the_parameters_it_copies():
     adapter = make_adapter()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     bound = params[0].numel() + params[1].numel()  # a LoRA's A and B (A's gradient is 0 while B is 0)
-    result = models.check_gradient(update_loss(adapter), params, adapter.reference_mode, max_numel=bound)
+    result = kernels.check_gradient(update_loss(adapter), params, adapter.kernels.reference_mode, max_numel=bound)
     assert result.ok and f"over {bound:,} gradient elements" in result.message
 
 

@@ -1,0 +1,299 @@
+"""How a transformer call runs on an accelerator, kept apart from what the call computes (models.py).
+
+A training run calls its transformer in two phases: the no-grad rollout and evaluation, and the update with
+gradients. `Kernels` is the context of every call: autocast to the compute dtype, the SDPA attention kernels of the
+phase (chosen apart, because a fast kernel can be right in one phase and wrong in the other), gradient
+checkpointing whose recompute keeps the forward's kernels, and optional regional compilation. The gradient
+self-check (`check_gradient`) compares the update's gradient with the math kernel's, once, at a run's first update:
+a wrong kernel would otherwise skip or corrupt every step of a long GPU run. `update_loss` is the loss it checks.
+
+Deviation 11 of the README's list: on CUDA the update never uses cuDNN attention, and the first update's gradient is
+checked against the math kernel's.
+"""
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math", "cudnn")
+
+
+# --- attention kernels ------------------------------------------------------------------------------------------
+# diffusers' FLUX and SD3 attention calls torch's F.scaled_dot_product_attention (SDPA), so torch's `sdpa_kernel`
+# context picks the kernel: flash, memory-efficient, math (the plain softmax(QK^T / sqrt(d)) V, the reference) or
+# cuDNN.
+_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def validate_attention_backend(name: str) -> str:
+    """`name` if it is one of ATTENTION_BACKENDS; else a ValueError whose message lists them."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend '{name}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    return name
+
+
+def sdpa_backends(name: str, device_type: str):
+    """The SDPA kernels allowed for attention backend `name` on `device_type`, or None (no restriction).
+
+    CUDA, "auto": flash, memory-efficient, math, in that order of preference, and not cuDNN attention: on an H200
+    (torch 2.11, CUDA 13) its backward gave gradient norms of 2894 or non-finite where every other kernel and the
+    CPU gave 0.0477, so the update never learned. An explicit name allows that kernel alone (torch raises if it
+    cannot run the inputs, e.g. flash in fp32). Other devices have flash-on-CPU and math only: "math" is math,
+    anything else is torch's own choice.
+    The no-grad rollout's "auto" is the same set, although cuDNN's forward may be the fastest (gpu_check.py measures
+    it as `rollout_attention_backend="cudnn"`): its forward has not been verified on that chip either, and a rollout
+    kernel other than the update's moves the first update step's ratio away from 1.
+    """
+    validate_attention_backend(name)
+    if device_type != "cuda":
+        return [SDPBackend.MATH] if name == "math" else None
+    if name == "auto":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [_KERNELS[name]]
+
+
+def enabled_sdpa_backends():
+    """The SDPA kernels the current context allows (torch's global flags, which `sdpa_kernel` sets)."""
+    flags = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+             SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+             SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled(),
+             SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled()}
+    return [kernel for kernel, on in flags.items() if on]
+
+
+def checkpoint_keeping_kernels(module, *args):
+    """diffusers' gradient checkpointing of one block, with the backward's recompute under the same SDPA kernels as
+    the forward: torch's checkpoint restores autocast and the RNG state for the recompute, not the kernel flags, so
+    without this the backward would recompute (and differentiate) under torch's default kernels, cuDNN included."""
+    kernels = enabled_sdpa_backends()
+    return torch.utils.checkpoint.checkpoint(
+        module.__call__, *args, use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), sdpa_kernel(kernels)))
+
+
+def compile_blocks(transformer, backend: str = "inductor"):
+    """Regional compilation: torch.compile each repeated block (FLUX's double- and single-stream blocks, SD3's
+    joint blocks), not the whole model. The blocks of a kind share one compiled graph, so compiling takes seconds to
+    a minute instead of many, for nearly the speed of compiling the whole model. Graphs are built at the first call
+    of each grad mode and shape. `backend` "aot_eager" traces the same graphs without generating kernels: a quick
+    check of the plumbing on a CPU, where inductor spends minutes on even the tiny model."""
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks(backend=backend)
+    else:
+        for block in transformer.transformer_blocks:
+            block.compile(backend=backend)
+
+
+class Kernels:
+    """The context of one transformer's calls on `device` in `dtype`.
+
+    attention_backend:          SDPA kernels of the update's forward and backward (one of ATTENTION_BACKENDS)
+    rollout_attention_backend:  SDPA kernels of the no-grad forwards (rollout, evaluation)
+    compile:                    regional compilation of the transformer's repeated blocks at the first call:
+                                False, True (inductor) or a torch.compile backend name (see `compile_blocks`)
+    """
+
+    def __init__(self, transformer, device, dtype, attention_backend="auto", rollout_attention_backend="auto",
+                 compile=False):
+        self.transformer, self.device, self.dtype = transformer, torch.device(device), dtype
+        self.attention_backend = validate_attention_backend(attention_backend)
+        self.rollout_attention_backend = validate_attention_backend(rollout_attention_backend)
+        self.compile, self._compiled = compile, False
+        self._reference = None  # inside `reference_mode`: whether the reference computes in fp32
+        cuda_only = sorted({attention_backend, rollout_attention_backend} & {"efficient", "cudnn"})
+        if cuda_only and self.device.type != "cuda":
+            print(f"note: attention backend {' and '.join(cuda_only)} needs CUDA; on {self.device.type} the attention "
+                  f"runs on torch's own choice of kernel (flash-on-CPU or math)")
+
+    def autocast(self):
+        fp32 = self.dtype == torch.float32 or self._reference
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=not fp32)
+
+    def __call__(self):
+        """The context of one call: autocast to the compute dtype, and the SDPA kernels of the phase, the update's
+        when gradients are on (forward and backward), the rollout's otherwise."""
+        self._prepare()
+        if self._reference is not None:
+            kernels = [SDPBackend.MATH]
+        else:
+            name = self.attention_backend if torch.is_grad_enabled() else self.rollout_attention_backend
+            kernels = sdpa_backends(name, self.device.type)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast())
+        if kernels:
+            stack.enter_context(sdpa_kernel(kernels, set_priority=True))
+        return stack
+
+    def text_inputs(self, *tensors):
+        """The text features as the transformer takes them: as encoded, or fp32 in the fp32 reference, where no
+        autocast casts the (bf16) encoders' output for the fp32 layers."""
+        return tuple(t.float() for t in tensors) if self._reference else tensors
+
+    def _prepare(self):
+        """At the first call, after LoRA, DDP or FSDP2 have wrapped the transformer: compile its repeated blocks if
+        asked; and whenever gradient checkpointing is on, make its recompute keep the forward's kernels."""
+        t = self.transformer
+        checkpointing = getattr(t, "gradient_checkpointing", False)
+        if checkpointing and t._gradient_checkpointing_func is not checkpoint_keeping_kernels:
+            t.enable_gradient_checkpointing(checkpoint_keeping_kernels)
+        if self.compile and not self._compiled:
+            compile_blocks(t, "inductor" if self.compile is True else self.compile)
+            self._compiled = True
+
+    def fp32_weights(self) -> bool:
+        """Whether the transformer can compute in fp32: every weight is fp32 and no FSDP2 policy casts them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return not isinstance(self.transformer, FSDPModule) and all(
+            p.dtype == torch.float32 for p in self.transformer.parameters())
+
+    def check_gradient(self, loss_fn, params, **tolerances) -> "GradientCheck":
+        """`check_gradient` against these kernels' references: the math kernel at the run's precision, and fp32
+        too where the run computes in bf16 on fp32 weights."""
+        fp32 = self.dtype != torch.float32 and self.fp32_weights()
+        return check_gradient(loss_fn, params, lambda: self.reference_mode(fp32=False),
+                              (lambda: self.reference_mode(fp32=True)) if fp32 else None, **tolerances)
+
+    @contextlib.contextmanager
+    def reference_mode(self, fp32: bool = True):
+        """`check_gradient`'s reference: the math SDPA kernel in every phase, eager (no compiled blocks), and, with
+        `fp32` and fp32 weights, autocast off. Where the weights are bf16 (a LoRA's frozen base) or FSDP2 casts them,
+        the reference keeps the run's precision and differs from it in the attention kernel alone."""
+        saved = self._reference
+        self._reference = fp32 and self.fp32_weights()
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        finally:
+            self._reference = saved
+
+
+def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None):
+    """The update's loss for the first prompt at its first trained step, as a closure for `check_gradient`: one
+    forward scores the members of the first start latent, through `g2rpo.clipped_loss` without its clip (at the
+    first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the reference kernel's
+    rounding alone makes). advantages: (B, K, G), or None for ones: then the gradient is the log-likelihood's, which
+    no advantage can zero (a run's first group may have equal rewards). It draws no random numbers, so it can run
+    under each kernel in turn."""
+    from g2rpo import clipped_loss
+    from sampler import sde_step
+
+    k = rollout.sde_steps[0]
+    members = rollout.next_latents.shape[2] // rollout.latents.shape[2]  # G (G2RPO) or 1 (full SDE)
+    start, targets = rollout.latents[:1, 0, 0], rollout.next_latents[0, 0, :members]  # (1, ...), (G/S, ...)
+    index = torch.zeros(1, dtype=torch.long, device=start.device)
+    weights = torch.ones(1, members) if advantages is None else advantages[:1, 0, :members]  # (1, G/S)
+
+    def loss_fn():
+        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
+        shape = (members, *start.shape[1:])
+        _, log_probs = sde_step(start.expand(shape), velocity.expand(shape), sigmas, k, eta,
+                                next_latents=targets)  # (G/S,)
+        return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0, :members],
+                            weights.to(log_probs.device), float("inf"))
+    return loss_fn
+
+
+# --- the gradient self-check -------------------------------------------------------------------------------------
+@dataclass
+class GradientCheck:
+    """The run's gradient g against the reference g_ref: the math SDPA kernel at the run's precision, eager."""
+
+    cosine: float  # <g, g_ref> / (|g| |g_ref|)
+    relative_error: float  # |g - g_ref| / |g_ref|
+    norm: float  # |g|
+    reference_norm: float  # |g_ref|
+    fp32_cosine: float  # cosine of g against the math kernel in fp32; nan where not computed
+    ok: bool
+    message: str  # one line: the figures, and when not ok the cause and the fix (the caller says passed / failed)
+
+
+def _local(tensor):
+    """An FSDP2 parameter or gradient is a DTensor sharded over the ranks: this rank's shard."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _gradients(loss_fn, params):
+    """Backward of `loss_fn()`; returns fp32 copies of the (local) gradients and clears `.grad`."""
+    for p in params:
+        p.grad = None
+    loss_fn().backward()
+    grads = [_local(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().clone() for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _compare(grads, reference, sharded):
+    """(cosine, relative error, |g|, |g_ref|), summed over ranks where the gradients are FSDP2 shards (DDP's are
+    already the same on every rank)."""
+    sums = torch.stack([sum((g.double() * r.double()).sum() for g, r in zip(grads, reference)),
+                        sum(g.double().square().sum() for g in grads),
+                        sum(r.double().square().sum() for r in reference),
+                        sum((g.double() - r.double()).square().sum() for g, r in zip(grads, reference))])
+    if sharded:
+        dist.all_reduce(sums)
+    dot, norm2, ref2, diff2 = sums.tolist()
+    cosine = dot / math.sqrt(norm2 * ref2) if norm2 > 0 and ref2 > 0 else float("nan")
+    return cosine, math.sqrt(diff2 / ref2) if ref2 > 0 else float("nan"), math.sqrt(norm2), math.sqrt(ref2)
+
+
+def check_gradient(loss_fn, params, reference, fp32_reference=None, *, min_cosine: float = 0.99,
+                   max_relative_error: float = 0.1, min_fp32_cosine: float = 0.8,
+                   max_numel: int = 2**28) -> GradientCheck:
+    """Whether the run computes the right gradient: `loss_fn`'s gradient under the run's kernels and precision
+    against the same gradient under `reference`, and (if given) under `fp32_reference`.
+
+    loss_fn:         () -> a scalar loss through the run's own code path (the update's loss on one rollout sample);
+                     it must draw no random numbers, as it is called two or three times.
+    reference:       () -> context manager: the math SDPA kernel at the run's precision, eager
+                     (`Adapter.reference_mode(fp32=False)`). This is the gate: only the kernel differs, so the
+                     gradients agree to rounding (measured on CPU in bf16: cosine 0.99999, relative error 4e-3).
+    fp32_reference:  () -> the math kernel in fp32 (`Adapter.reference_mode()`), where the weights allow it.
+                     Loosely gated: bf16 rounding of the velocity alone moves the log-prob's gradient (it is
+                     driven by x' - mean(v), a small difference of large numbers) to a cosine near 0.96.
+    max_numel:       parameters are taken in order until this many (local) elements: the copies stay under 1 GiB.
+
+    The wrong cuDNN backward gave norms 60,000 times too large or non-finite, far outside these bounds. The
+    parameters are untouched; `.grad` is left cleared (None).
+    """
+    chosen, total = [], 0
+    for p in params:
+        if chosen and total + _local(p).numel() > max_numel:
+            break
+        chosen.append(p)
+        total += _local(p).numel()
+    sharded = dist.is_initialized() and any(hasattr(p, "to_local") for p in chosen)
+    grads = _gradients(loss_fn, chosen)
+    with reference():
+        reference_grads = _gradients(loss_fn, chosen)
+    cosine, relative_error, norm, reference_norm = _compare(grads, reference_grads, sharded)
+    fp32_cosine, fp32_norm = float("nan"), float("nan")
+    if fp32_reference is not None:
+        with fp32_reference():
+            fp32_cosine, _, _, fp32_norm = _compare(grads, _gradients(loss_fn, chosen), sharded)
+    kernel_ok = math.isfinite(norm) and cosine >= min_cosine and relative_error <= max_relative_error
+    fp32_ok = fp32_reference is None or fp32_cosine >= min_fp32_cosine
+    figures = (f"cosine {cosine:.5f}, relative error {relative_error:.3g}, |g| {norm:.4g} against the math attention "
+               f"kernel's {reference_norm:.4g}" + (f", cosine {fp32_cosine:.3f} against fp32" if fp32_reference else "")
+               + f", over {total:,} gradient elements")
+    if kernel_ok and fp32_ok:
+        return GradientCheck(cosine, relative_error, norm, reference_norm, fp32_cosine, True,
+                             figures)
+    if not (math.isfinite(reference_norm) and reference_norm > 0):
+        cause, fix = (("bf16 precision (the math kernel in bf16 is not finite, in fp32 it is)", "--mixed-precision no")
+                      if math.isfinite(fp32_norm) and fp32_norm > 0 else
+                      ("the loss or its inputs (the reference gradient is zero or not finite too)",
+                       "check the first iteration's rewards and advantages"))
+    elif not kernel_ok:
+        cause, fix = "the attention kernel (the math kernel gives another gradient)", "--attention-backend math"
+    else:
+        cause, fix = "bf16 precision (the gradient is far from fp32's)", "--mixed-precision no"
+    return GradientCheck(cosine, relative_error, norm, reference_norm, fp32_cosine, False,
+                         f"{figures}; cause: {cause}; fix: {fix}")
+
+
