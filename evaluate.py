@@ -32,23 +32,29 @@ from typing import Annotated, Literal, Optional
 import torch
 import tyro
 
+import flags
 import rewards
 from run import eval_noise_generator, fail, read_prompts
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# Per model family: the training presets' rollout settings, the default prompts and metrics. A checkpoint's
-# config.json takes precedence over these; flags take precedence over both.
-PRESETS = {
-    "flux": dict(model_path="black-forest-labs/FLUX.1-dev", num_steps=16, shift=3.0, guidance=3.5, resolution=720,
-                 max_sequence_length=512, prompt_file="prompts/hpdv2_test.txt", seeds=1, batch_size=8,
-                 metrics=["hps", "clip", "pickscore", "imagereward"]),
-    "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", num_steps=16, shift=3.0, guidance=4.5,
-                resolution=512, max_sequence_length=256, prompt_file="prompts/hpdv2_test.txt", seeds=1, batch_size=8,
-                metrics=["hps", "clip", "pickscore", "imagereward"]),
-    "tiny": dict(model_path="", num_steps=8, shift=3.0, guidance=3.5, resolution=32, max_sequence_length=16,
-                 prompt_file="prompts/tiny_eval.txt", seeds=3, batch_size=64, metrics=["shapes"]),
+# What evaluation adds to the training presets (flags.PRESETS, whose sampling settings and held-out prompt file it
+# takes): seeds per prompt (default: the preset's --eval-seeds), images per transformer call, metrics. A checkpoint's
+# config.json takes precedence over the presets; flags take precedence over both.
+EVAL_DEFAULTS = {
+    "flux": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "sd3": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "tiny": dict(batch_size=64, metrics=["shapes"]),
 }
+
+
+def family_defaults(model: str) -> dict:
+    """The model family's sampling settings, prompt file, seeds, batch size and metrics."""
+    p = flags.preset(model)
+    return {**{key: p[key] for key in SETTINGS[1:]}, "prompt_file": p["eval_prompt_file"], "seeds": p["eval_seeds"],
+            **EVAL_DEFAULTS[model]}
+
+
 SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
 EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
@@ -156,7 +162,7 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
     out = {"model": model}
     for key in SETTINGS[1:]:
         flag = getattr(args, key)
-        out[key] = flag if flag is not None else config.get(key, fallback.get(key, PRESETS[model][key]))
+        out[key] = flag if flag is not None else config.get(key, fallback.get(key, family_defaults(model)[key]))
     return out
 
 
@@ -405,7 +411,7 @@ def evaluate(args):
     """Sample and score every model over this rank's share of the items; rank 0 writes the table and files."""
     check_args(args)
     rows = plan_rows(args)
-    preset = PRESETS[rows[0].settings["model"]]
+    preset = family_defaults(rows[0].settings["model"])
     metrics = args.metrics or preset["metrics"]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
     prompts = read_prompts(prompt_file, "--prompt-file")[: args.num_prompts or None]

@@ -58,6 +58,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+import flags
+import rewards
 import train
 from g2rpo import optimizer_step, step_loss_backward
 from kernels import sdpa_backends
@@ -74,7 +76,7 @@ REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-
 
 
 @dataclass
-class PlanArgs(train.Args):
+class PlanArgs(flags.Args):
     gpus: int = 1
     """GPUs of the run (all nodes together); the plan is of one rank. Full fine-tunes shard with FSDP2 over them."""
     gpu_memory_gib: float = 80.0
@@ -408,7 +410,7 @@ def _plan(args, fake, log, mesh=None):
         policy = train.make_policy(args, adapter, {}, device, dtype, distributed=mesh is not None, foreach=True,
                                    mesh=mesh)
     fsdp = (policy.transformer, policy.optimizer) if mesh is not None else None
-    reward_fns, reward_modules, skipped = build_rewards(list(train.rewards.parse_rewards(args.rewards)), device,
+    reward_fns, reward_modules, skipped = build_rewards(list(rewards.parse_rewards(args.rewards)), device,
                                                         dtype, args.reward_batch_size, fake_mode)
     policy.reward_fns.update(reward_fns)
     log(f"built the models from {os.path.relpath(folder, ROOT) if args.model != 'tiny' else 'tiny.py'} "
@@ -594,7 +596,7 @@ def main(argv=None):
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    args = train.parse_args(argv, PlanArgs)
+    args = flags.parse_args(argv, PlanArgs)
     diffusers_logging.set_verbosity_error()  # prompt truncation notes of the stand-in tokenizers
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # diffusers' blocks return views, as in training
@@ -602,7 +604,7 @@ def main(argv=None):
         fail(f"--gpus {args.gpus}: must be >= 1")
     if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0 and args.peak_tflops > 0):
         fail("--gpu-memory-gib and --peak-tflops must be > 0")
-    train.check_flags(args, args.gpus, log=print)
+    flags.check_flags(args, args.gpus, log=print)
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
     if args.model != "tiny" and not os.path.isfile(os.path.join(folder, "transformer.json")):
         fail(f"--configs '{folder}' holds no transformer.json; pass the folder of the model's configurations")

@@ -19,7 +19,8 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
 reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
 
-Loading never runs remote code and never unpickles arbitrary objects (safetensors or torch.load(weights_only=True)).
+Loading never runs remote code and never unpickles arbitrary objects (safetensors or torch.load(weights_only=True)),
+except inside the `image-reward` package, whose own loader (ImageReward.load) reads its checkpoint as it chooses.
 """
 import math
 import os

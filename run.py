@@ -83,8 +83,10 @@ def full_tensor(p):
 
 
 class EMA:
-    """Exponential moving average of the trained parameters: ema <- decay * ema + (1 - decay) * param, every
-    `every` optimizer iterations. Used for the held-out evaluation and saved beside the weights."""
+    """Exponential moving average of the trained parameters: ema <- decay * ema + (1 - decay) * param, at every
+    `every`-th iteration that took an optimizer step (train.py skips it after a skipped update: averaging in weights
+    that did not move would only pull the average back toward them). Used for the held-out evaluation and saved
+    beside the weights."""
 
     def __init__(self, named_params, decay: float, every: int):
         self.named = list(named_params)

@@ -50,8 +50,11 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
         x_next  = mean + std_dev * sqrt(-dt) * noise
     Given `next_latents`, nothing is sampled: the stored step is scored (the update re-evaluates rollouts this way).
     """
-    # fp32 whatever the model's dtype: the rollout and the update must score the same step identically,
-    # or the ratio is not 1 before the first update.
+    # fp32 whatever the model's dtype, so the update re-scores a stored step with the rollout's arithmetic. This
+    # alone does not make the first ratio 1: the velocity must also match, and the update computes it through the
+    # DDP / FSDP2 wrapper under the update's attention kernel, the rollout through the bare transformer under the
+    # rollout's (same weights; the same kernels unless --rollout-attention-backend differs). gpu_check.py measures
+    # the first step's ratio at learning rate 0 on the GPU; losses/ratio_mean logs it every iteration.
     x, v = latents.float(), velocity.float()
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma

@@ -4,8 +4,8 @@ Images are 32x32: one shape (circle, square or triangle) of one colour (red, gre
 the picture (left, right, top or bottom) on a dark background, captioned "a red circle on the left". The model is
 a real diffusers `FluxPipeline`: a `FluxTransformer2DModel`, an `AutoencoderKL`, CLIP and T5 text encoders and
 their tokenizers, all small and built from configs, so `--model tiny` drives the same adapter and code as FLUX.1.
-Pre-training (the VAE as an autoencoder, then the transformer by flow matching) takes about a minute on 2 CPU
-cores; the result is saved with `save_pretrained` into a cache folder named by its seed and settings, with a
+Pre-training (the VAE as an autoencoder, then the transformer by flow matching) takes about 1.5 minutes on 2
+CPU cores; the result is saved with `save_pretrained` into a cache folder named by its seed and settings, with a
 checksum file, and loaded from there with `FluxPipeline.from_pretrained` like any other model.
 
 The reward (`shape_reward`) reads the prompt and scores the pixels, each term in [0, 1], averaged:

@@ -10,15 +10,15 @@ Run: python -m pytest -q tests/test_plan.py     (about 40 s on 2 cores)
 import pytest
 
 import plan
-import train
+import flags
 
 TOLERANCE = 0.02
 
 
-def small_args(*flags):
+def small_args(*extra):
     """The tiny preset, shortened: a small configuration whose every phase runs for real in seconds."""
-    return train.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", "0", "1", "--group-size", "4",
-                             "--prompts-per-iteration", "2", *flags], plan.PlanArgs)
+    return flags.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", "0", "1", "--group-size", "4",
+                             "--prompts-per-iteration", "2", *extra], plan.PlanArgs)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "math"])

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import flags
 import train
 from conftest import QUICK, ROOT, run_train
 
@@ -69,20 +70,20 @@ def test_bad_input(extra, message, base, capsys, tmp_path):
 
 
 def numeric_fields():
-    return [f for f in dataclasses.fields(train.TrainArgs) if f.type in (int, float)]
+    return [f for f in dataclasses.fields(flags.TrainArgs) if f.type in (int, float)]
 
 
 def test_every_numeric_flag_has_a_range():
-    assert sorted(f.name for f in numeric_fields()) == sorted(train.RULES)
+    assert sorted(f.name for f in numeric_fields()) == sorted(flags.RULES)
 
 
 CANDIDATES = ["-1", "0", "nan", "inf", "1.5", "2"]
 
 
-@pytest.mark.parametrize("name", sorted(train.RULES))
+@pytest.mark.parametrize("name", sorted(flags.RULES))
 def test_every_numeric_flag_refuses_a_bad_value(name, base, capsys, tmp_path):
     kind = next(f.type for f in numeric_fields() if f.name == name)
-    check = train.RULES[name][0]
+    check = flags.RULES[name][0]
     bad = next(v for v in CANDIDATES if (kind is float or v.lstrip("-").isdigit()) and not check(kind(v)))
     flag = "--" + name.replace("_", "-")
     started = time.time()

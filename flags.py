@@ -1,0 +1,306 @@
+"""The flags of a training run, defined once for every script that takes them (train.py, evaluate.py, plan.py).
+
+`TrainArgs` holds every flag with its meaning, typical range, the paper's symbol and the reference value; each
+reward's model paths join them as flags of their own (rewards.REWARDS declares them). `--model` picks a preset of
+defaults (`PRESETS`), which every other flag overrides. `check_flags` checks every flag before anything is loaded or
+written (each numeric flag has its range in `RULES`; a test checks that none is missing) and prints the notes that
+need no model; `warn_long_prompts` is the one warning that needs the tokenizer.
+"""
+import dataclasses
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from math import isfinite
+from typing import Annotated, Literal
+
+import tyro
+
+import rewards
+from kernels import ATTENTION_BACKENDS
+from models import RESOLUTION_MULTIPLE
+from run import fail, read_prompts
+from sampler import granular_schedule, sigma_schedule
+
+
+@dataclass
+class TrainArgs:
+    # --- model ---
+    model: Literal["flux", "sd3", "tiny"] = "flux"
+    """Model family and preset of defaults: flux (FLUX.1, the paper's), sd3 (SD3 / SD3.5, CFG), tiny (built-in, CPU)."""
+    model_path: str = "black-forest-labs/FLUX.1-dev"
+    """A diffusers pipeline folder or hub id. Ignored by --model tiny, which builds its own."""
+    guidance: float = 3.5
+    """FLUX: the guidance embedding value (reference 3.5). SD3: the classifier-free guidance scale (typ. 4.5)."""
+    max_sequence_length: int = 512
+    """T5 tokens per prompt (FLUX max 512, SD3 max 256); longer prompts are truncated with a warning."""
+    lora_rank: int = 0
+    """LoRA rank on the attention projections (typ. 16-128); 0 = full fine-tune (the reference)."""
+    lora_alpha: float = 0.0
+    """LoRA alpha; 0 means alpha = rank."""
+    lora_feed_forward: bool = False
+    """Also put LoRA on the feed-forward projections."""
+    offload_text_encoders: bool = False
+    """Keep the text encoders on the CPU between prompt batches (moved to the accelerator only to encode); frees
+    ~10 GB for FLUX (T5-XXL) at the cost of two transfers per iteration."""
+    mixed_precision: Literal["bf16", "no"] = "bf16"
+    """bf16 autocast with fp32 master weights on CUDA (the reference); ignored on CPU, which runs fp32."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass (needed for FLUX at 720^2)."""
+    attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
+    """Attention kernel of the update's forward and backward. auto: flash, memory-efficient or math on CUDA, never
+    cuDNN attention, whose backward gave wrong gradients on an H200 (README, GPU); math is the slow, exact one."""
+    rollout_attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
+    """Attention kernel of the no-grad rollout and evaluation (forward only)."""
+    compile: bool = False
+    """torch.compile the transformer's repeated blocks (regional compilation): a faster rollout and update after a
+    compile of a minute or so on the first iteration."""
+    gradient_check: bool = True
+    """Compare the first update's gradient with the math attention kernel's (and fp32's) and stop the run if they
+    disagree: a wrong kernel would otherwise skip or corrupt every step of a long GPU run."""
+    # --- data and output ---
+    prompt_file: str = "prompts/hpdv2_train.txt"
+    """Training prompts, one a line (python prompts/hpdv2.py writes HPDv2's)."""
+    eval_prompt_file: str = "prompts/hpdv2_test.txt"
+    """Held-out prompts, one a line, for the eval reward and the sample grids."""
+    output_dir: str = "runs/flux"
+    """Where metrics.jsonl, config.json, samples/ and checkpoints/ go; one run at a time holds it."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in --output-dir."""
+    overwrite: bool = False
+    """Start afresh in an --output-dir that holds another run (its checkpoints and metrics are removed)."""
+    # --- rollout ---
+    resolution: int = 720
+    """Image side in pixels (reference 720; a multiple of 16 for FLUX and SD3, of 4 for tiny)."""
+    num_steps: int = 16
+    """N, sampling steps of the rollout (reference 16)."""
+    shift: float = 3.0
+    """SD3 time shift of the sigma schedule (reference 3)."""
+    eta: float = 0.7
+    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0)."""
+    group_size: int = 12
+    """G, samples per prompt over which rewards are normalised (reference 12; >= 2)."""
+    sde_steps: list[int] = field(default_factory=lambda: list(range(8)))
+    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half)."""
+    granularities: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """Lambda, ODE strides of the completions (paper {1, 2, 3}; released scripts {1, 2}); {1} ablates them."""
+    sampling: Literal["g2rpo", "full", "mixed"] = "g2rpo"
+    """g2rpo; full: G full SDE trajectories per prompt, one reward broadcast to the trained --sde-steps (DanceGRPO /
+    Flow-GRPO); mixed: SDE only inside a window of steps, ODE elsewhere, the window trained (MixGRPO / Flow-GRPO-Fast;
+    --sde-steps is then unused)."""
+    window_size: int = 4
+    """mixed: SDE steps in the window (MixGRPO 4; Flow-GRPO-Fast 1-2)."""
+    window_stride: int = 1
+    """mixed: steps the sliding window moves at each shift (wrapping round at the end of the schedule)."""
+    window_every: int = 25
+    """mixed: iterations between two shifts of the sliding window."""
+    window_random: bool = False
+    """mixed: draw the window afresh every iteration instead of sliding it (Flow-GRPO-Fast)."""
+    prompts_per_iteration: int = 0
+    """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
+    max_batch: int = 24
+    """Largest batch of one transformer call in the rollout and update (bounds memory)."""
+    # --- rewards (each reward's model paths follow as their own flags, e.g. --hps-checkpoint) ---
+    rewards: list[str] = field(default_factory=lambda: ["hps=1.0"])
+    """Reward models with weights, name=weight (hps, clip, pickscore, aesthetic, imagereward, shapes, ...)."""
+    reward_batch_size: int = 16
+    """Images per reward-model call."""
+    # --- optimisation ---
+    num_iterations: int = 301
+    """Policy iterations (reference 301)."""
+    lr: float = 2e-6
+    """AdamW learning rate (reference 2e-6 full fine-tune; typ. 1e-4 with LoRA)."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay (reference 1e-4)."""
+    clip_range: float = 1e-4
+    """epsilon of the clipped ratio (reference 1e-4, for a per-element-mean log-prob)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to +- this (reference 5)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (reference 1.0)."""
+    step_per_sde_step: bool = True
+    """One optimizer step per trained step k (the reference scripts); False: one step on the loss averaged over
+    k (the paper's objective)."""
+    kl_beta: float = 0.0
+    """beta, weight of the KL to the base model per trained step (0 in the reference; Flow-GRPO uses 0.01-0.04 on
+    SD3.5). LoRA: the base is the model with its adapter off; full fine-tune: a frozen copy (twice the weights)."""
+    ema_decay: float = 0.0
+    """Decay of an EMA of the trained weights used for evaluation and saved in checkpoints (0 = off; typ. 0.9-0.995)."""
+    ema_every: int = 1
+    """Update the EMA every this many iterations."""
+    max_faults: int = 5
+    """Stop after this many iterations in a row whose rewards, loss or gradients were not finite."""
+    # --- logging, evaluation, checkpoints ---
+    eval_every: int = 25
+    """Evaluate on the held-out prompts every this many iterations (and at start and end)."""
+    eval_seeds: int = 2
+    """Noise seeds per held-out prompt in the evaluation."""
+    eval_prompts: int = 48
+    """Held-out prompts in the in-training evaluation, spread evenly over --eval-prompt-file (0 = all). At the flux
+    preset, 48 prompts x 2 seeds cost about 4 % of the run's rollout forwards; the full table is evaluate.py's job."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many iterations (and at the end)."""
+    log_with: Literal["none", "wandb", "tensorboard"] = "none"
+    """Optional experiment tracker, imported only when asked for."""
+    seed: int = 42
+    """Seed of the data order and every noise (reference 42)."""
+    tiny_cache: str = ".cache"
+    """Where --model tiny keeps its pre-trained base model."""
+    dist_timeout_minutes: float = 30.0
+    """A rank waiting longer than this on a collective stops the run (a failed rank then cannot hang the rest)."""
+
+
+# every reward's model paths become flags of their own, declared once in rewards.REWARDS
+Args = dataclasses.make_dataclass(
+    "Args", [(name, Annotated[str, tyro.conf.arg(help=help)], field(default=default))
+             for name, default, help in rewards.path_fields()], bases=(TrainArgs,))
+
+PRESETS = {
+    "flux": {},
+    "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, max_sequence_length=256,
+                resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
+    # fp32 on every device (deviation 12): bf16 costs this small model a tenth of its held-out reward
+    "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
+                 sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
+                 rewards=["shapes=1.0"], num_iterations=40, lr=5e-5, weight_decay=0.0, clip_range=1e-3,
+                 eval_every=10, eval_seeds=3, eval_prompts=0, checkpoint_every=20, gradient_checkpointing=False,
+                 mixed_precision="no", prompt_file="prompts/tiny_train.txt",
+                 eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0),
+}
+
+
+def parse_args(argv=None, args_class=None):
+    """`--model` picks a preset of defaults; every other flag overrides it (and --help shows the preset's values).
+    `args_class`: a dataclass derived from Args, for a script that takes these flags and more (plan.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    model = "flux"
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+        elif a.startswith("--model="):
+            model = a.split("=", 1)[1]
+    if model not in PRESETS:
+        fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
+    cls = args_class or Args
+    return tyro.cli(cls, args=argv, default=cls(model=model, **PRESETS[model]),
+                    description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
+
+
+def preset(model: str) -> dict:
+    """Every flag's value under `--model model` and no other flag: the preset over the defaults."""
+    return dataclasses.asdict(Args(model=model, **PRESETS[model]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input checks: all of them, once, before anything is loaded or written
+# ---------------------------------------------------------------------------------------------------------------
+# the valid range of every numeric flag (tests/test_reliability.py checks that none is missing)
+RULES = {
+    "guidance": (lambda v: isfinite(v) and v >= 0, ">= 0"),
+    "max_sequence_length": (lambda v: v >= 1, ">= 1"),
+    "lora_rank": (lambda v: v >= 0, ">= 0 (0 = full fine-tune)"),
+    "lora_alpha": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = the rank)"),
+    "resolution": (lambda v: v >= 4, ">= 4"),
+    "num_steps": (lambda v: v >= 1, ">= 1"),
+    "shift": (lambda v: isfinite(v) and v > 0, "> 0 (reference 3)"),
+    "eta": (lambda v: isfinite(v) and v > 0, "> 0: the SDE step needs eta > 0 (typ. 0.7)"),
+    "group_size": (lambda v: v >= 2, ">= 2: a group needs at least 2 samples to normalise rewards"),
+    "prompts_per_iteration": (lambda v: v >= 0, ">= 0 (0 = one per rank)"),
+    "max_batch": (lambda v: v >= 1, ">= 1"),
+    "reward_batch_size": (lambda v: v >= 1, ">= 1"),
+    "num_iterations": (lambda v: v >= 1, ">= 1"),
+    "lr": (lambda v: isfinite(v) and v > 0, "a finite number > 0 (typ. 2e-6 full, 1e-4 LoRA)"),
+    "weight_decay": (lambda v: isfinite(v) and v >= 0, ">= 0"),
+    "clip_range": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1e-4)"),
+    "adv_clip_max": (lambda v: isfinite(v) and v > 0, "> 0 (reference 5)"),
+    "max_grad_norm": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1)"),
+    "window_size": (lambda v: v >= 1, ">= 1"),
+    "window_stride": (lambda v: v >= 1, ">= 1"),
+    "window_every": (lambda v: v >= 1, ">= 1"),
+    "kl_beta": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = no KL term)"),
+    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1) (0 = no EMA)"),
+    "ema_every": (lambda v: v >= 1, ">= 1"),
+    "max_faults": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 1, ">= 1"),
+    "eval_seeds": (lambda v: v >= 1, ">= 1"),
+    "eval_prompts": (lambda v: v >= 0, ">= 0 (0 = every held-out prompt)"),
+    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
+    "seed": (lambda v: v >= 0, ">= 0"),
+    "dist_timeout_minutes": (lambda v: isfinite(v) and v > 0, "> 0"),
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(args, world: int, log=print):
+    """Every check that needs no model. Returns (train prompts, eval prompts, reward weights)."""
+    weights = check_flags(args, world, log)
+    return (read_prompts(args.prompt_file, "--prompt-file"),
+            read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
+
+
+def check_flags(args, world: int, log=print):
+    """Every check of the flags themselves (no file is read). Returns the reward weights."""
+    for f in dataclasses.fields(TrainArgs):
+        if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
+            fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
+    if args.sampling != "mixed":  # mixed trains its window instead, and --sde-steps is unused
+        if not args.sde_steps:
+            fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
+        if len(set(args.sde_steps)) != len(args.sde_steps):
+            fail(f"--sde-steps {args.sde_steps} repeats a step; list each step once")
+        bad = [k for k in args.sde_steps if not 0 <= k < args.num_steps]
+        if bad:
+            fail(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
+                 f"use steps in 0..{args.num_steps - 1}")
+    if not args.granularities or min(args.granularities) < 1 or len(set(args.granularities)) != len(args.granularities):
+        fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
+    if args.window_size > args.num_steps:
+        fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
+    multiple = RESOLUTION_MULTIPLE[args.model]
+    if args.resolution % multiple:
+        fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
+             f"use e.g. {args.resolution // multiple * multiple or multiple}")
+    if args.prompts_per_iteration % world:
+        fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
+             f"use a multiple of {world}")
+    if args.resume and args.overwrite:
+        fail("--resume and --overwrite contradict each other; pass one")
+    if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
+        fail(f"--log-with {args.log_with} needs its package: pip install {args.log_with}")
+    if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
+        fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
+             f"pass the folder holding model_index.json")
+    try:
+        weights = rewards.parse_rewards(args.rewards)
+    except rewards.RewardError as err:
+        fail(str(err))
+    _note_coinciding_granularities(args, log)
+    return weights
+
+
+def _note_coinciding_granularities(args, log):
+    """Granularities whose schedules coincide at a step give the same completion, so its reward counts several
+    times in the advantage (as in the reference code); say so rather than let it pass silently."""
+    if args.sampling != "g2rpo":
+        return
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    for k in args.sde_steps:
+        seen = {}
+        for g in args.granularities:
+            seen.setdefault(tuple(granular_schedule(sigmas, k, g).tolist()), []).append(g)
+        for same in (gs for gs in seen.values() if len(gs) > 1):
+            log(f"note: at SDE step {k} the granularities {same} give the same completion; its reward counts "
+                f"{len(same)} times in the advantage (as in the reference code)")
+
+
+def warn_long_prompts(args, pipe, prompts, log=print):
+    """Prompts longer than --max-sequence-length text tokens are truncated by the text encoder: say how many."""
+  # the T5 tokenizer that --max-sequence-length limits: SD3's third, FLUX's second
+    tokenizer = getattr(pipe, "tokenizer_3", None) or getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
+    long = [p for p in prompts if len(tokenizer(p).input_ids) > args.max_sequence_length]
+    if long:
+        log(f"warning: {len(long)} prompts exceed {args.max_sequence_length} text tokens and are truncated "
+            f"(first: '{long[0][:60]}...')")
