@@ -456,10 +456,12 @@ def _plan(args, fake, log, mesh=None):
         with torch.no_grad():
             call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest), index),
                            resident_cond, fsdp)
-        per_image = call.flops / largest
-        nfe = sum(b for b, _ in calls)
-        rows.append(Row(f"rollout: {len(calls)} calls, {nfe} NFE (largest {largest})",
-                        Cost(added(call, max(s for _, s in calls)).peak, per_image * nfe / len(calls)), len(calls)))
+        per_sample = call.flops / largest  # FLOPs are linear in the batch: every call costs its share
+        samples = sum(b for b, _ in calls)  # velocity evaluations; SD3's CFG makes each 2 image-forwards
+        nfe = samples * adapter.forwards_per_velocity
+        rows.append(Row(f"rollout: {len(calls)} calls, {nfe} NFE (largest call {largest})",
+                        Cost(added(call, max(s for _, s in calls)).peak, per_sample * samples / len(calls)),
+                        len(calls)))
         log(f"rollout simulated ({time.time() - started:.0f} s)")
 
         # 3. decode and score: the reward batch; every completion and the anchor are scored this way
@@ -521,7 +523,7 @@ def _plan(args, fake, log, mesh=None):
                         note=f"{evaluations} evaluations per run"))
         log(f"evaluation simulated ({time.time() - started:.0f} s)")
 
-    eval_nfe = evaluations * len(items) * args.num_steps
+    eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
     rollout_nfe = args.num_iterations * nfe * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
                  f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
