@@ -195,38 +195,31 @@ def preset(model: str) -> dict:
 # Input checks: all of them, once, before anything is loaded or written
 # ---------------------------------------------------------------------------------------------------------------
 # the valid range of every numeric flag (tests/test_reliability.py checks that none is missing)
+def at_least(low, note=""):
+    """A rule: the value is finite and >= low."""
+    return (lambda v: isfinite(v) and v >= low), f">= {low}{note}"
+
+
+def above(low, note=""):
+    """A rule: the value is finite and > low."""
+    return (lambda v: isfinite(v) and v > low), f"> {low}{note}"
+
+
 RULES = {
-    "guidance": (lambda v: isfinite(v) and v >= 0, ">= 0"),
-    "max_sequence_length": (lambda v: v >= 1, ">= 1"),
-    "lora_rank": (lambda v: v >= 0, ">= 0 (0 = full fine-tune)"),
-    "lora_alpha": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = the rank)"),
-    "resolution": (lambda v: v >= 4, ">= 4"),
-    "num_steps": (lambda v: v >= 1, ">= 1"),
-    "shift": (lambda v: isfinite(v) and v > 0, "> 0 (reference 3)"),
-    "eta": (lambda v: isfinite(v) and v > 0, "> 0: the SDE step needs eta > 0 (typ. 0.7)"),
-    "group_size": (lambda v: v >= 2, ">= 2: a group needs at least 2 samples to normalise rewards"),
-    "prompts_per_iteration": (lambda v: v >= 0, ">= 0 (0 = one per rank)"),
-    "max_batch": (lambda v: v >= 1, ">= 1"),
-    "reward_batch_size": (lambda v: v >= 1, ">= 1"),
-    "num_iterations": (lambda v: v >= 1, ">= 1"),
-    "lr": (lambda v: isfinite(v) and v > 0, "a finite number > 0 (typ. 2e-6 full, 1e-4 LoRA)"),
-    "weight_decay": (lambda v: isfinite(v) and v >= 0, ">= 0"),
-    "clip_range": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1e-4)"),
-    "adv_clip_max": (lambda v: isfinite(v) and v > 0, "> 0 (reference 5)"),
-    "max_grad_norm": (lambda v: isfinite(v) and v > 0, "> 0 (reference 1)"),
-    "window_size": (lambda v: v >= 1, ">= 1"),
-    "window_stride": (lambda v: v >= 1, ">= 1"),
-    "window_every": (lambda v: v >= 1, ">= 1"),
-    "kl_beta": (lambda v: isfinite(v) and v >= 0, ">= 0 (0 = no KL term)"),
-    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1) (0 = no EMA)"),
-    "ema_every": (lambda v: v >= 1, ">= 1"),
-    "max_faults": (lambda v: v >= 1, ">= 1"),
-    "eval_every": (lambda v: v >= 1, ">= 1"),
-    "eval_seeds": (lambda v: v >= 1, ">= 1"),
-    "eval_prompts": (lambda v: v >= 0, ">= 0 (0 = every held-out prompt)"),
-    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
-    "seed": (lambda v: v >= 0, ">= 0"),
-    "dist_timeout_minutes": (lambda v: isfinite(v) and v > 0, "> 0"),
+    "guidance": at_least(0), "max_sequence_length": at_least(1), "lora_rank": at_least(0, " (0 = full fine-tune)"),
+    "lora_alpha": at_least(0, " (0 = the rank)"), "resolution": at_least(4), "num_steps": at_least(1),
+    "shift": above(0, " (reference 3)"), "eta": above(0, ": the SDE step needs eta > 0 (typ. 0.7)"),
+    "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
+    "prompts_per_iteration": at_least(0, " (0 = one per rank)"), "max_batch": at_least(1),
+    "reward_batch_size": at_least(1), "num_iterations": at_least(1),
+    "lr": above(0, " (typ. 2e-6 full, 1e-4 LoRA)"), "weight_decay": at_least(0),
+    "clip_range": above(0, " (reference 1e-4)"), "adv_clip_max": above(0, " (reference 5)"),
+    "max_grad_norm": above(0, " (reference 1)"), "window_size": at_least(1), "window_stride": at_least(1),
+    "window_every": at_least(1), "kl_beta": at_least(0, " (0 = no KL term)"),
+    "ema_decay": ((lambda v: 0 <= v < 1), "in [0, 1) (0 = no EMA)"), "ema_every": at_least(1),
+    "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
+    "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
+    "seed": at_least(0), "dist_timeout_minutes": above(0),
 }
 
 
