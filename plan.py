@@ -523,11 +523,15 @@ def _plan(args, fake, log, mesh=None):
                         note=f"{evaluations} evaluations per run"))
         log(f"evaluation simulated ({time.time() - started:.0f} s)")
 
+    lora_grads = (sum(p.numel() * 4 for p in policy.params) if args.lora_rank and world > 1 else 0)
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
     rollout_nfe = args.num_iterations * nfe * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
                  f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
                  f"{rollout_nfe:,}")
+    notes.append("not simulated, add them: the CUDA context, allocator fragmentation and NCCL / cuBLAS workspaces "
+                 "(a few GiB), torch.compile, the kernels' distance from the FLOP floor"
+                 + (f"; DDP's bucket copy of the LoRA gradients ({lora_grads / GiB:.2f} GiB)" if lora_grads else ""))
     if skipped:
         notes.append(f"not simulated (their models live outside this process's device code): {', '.join(skipped)}")
     return rows, notes, evaluations

@@ -66,3 +66,24 @@ def test_report_says_whether_it_fits(capsys):
     assert "| phase | peak GiB |" in out and "| update:" in out and "| evaluation:" in out
     assert out.strip().splitlines()[-1].startswith("no: phase ")
     assert "of the rollouts'" in out
+
+
+def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():
+    """The flux preset's in-training evaluation: 48 prompts spread over HPDv2's 400 (100 per style), 2 seeds, and
+    its forwards over the run at most 5 % of the rollouts' (counted by the rollout's own NFE accounting)."""
+    import torch
+
+    import train
+    from sampler import sigma_schedule
+
+    args = flags.parse_args(["--model", "flux"])
+    items = train.eval_items(400, args.eval_prompts, args.eval_seeds)
+    chosen = sorted({p for p, _ in items})
+    assert len(items) == 96 and len(chosen) == 48 and [p // 100 for p in chosen].count(3) == 12
+    assert items[:48] == [(p, 0) for p in chosen]  # seed-major, as the grids expect
+    zero = lambda x, sigma, index: torch.zeros_like(x)
+    rollout = train.roll_out(args, zero, torch.zeros(1, 4), sigma_schedule(args.num_steps, args.shift),
+                             [torch.Generator()], args.sde_steps)
+    evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
+    share = evaluations * len(items) * args.num_steps / (args.num_iterations * rollout.nfe)
+    assert rollout.nfe == 1708 and share <= 0.05, share
