@@ -12,6 +12,11 @@ A run folder, `<output>/`:
         <name>.safetensors     extra named state dicts (e.g. ema.safetensors)
         trainer.pt             optimizer state, iteration, config (torch.load(weights_only=True) reads it)
         manifest.json          every other file's relative path, size and sha256 (written last)
+    checkpoints/iter_000050/   a full fine-tune under torchrun (FSDP2), sharded:
+        dcp/                   torch.distributed.checkpoint: .metadata + one __<rank>_0.distcp per rank, holding that
+                               rank's shards of the weights, the AdamW state and the EMA (each rank writes its own)
+        trainer.json           iteration, config, the transformer's config (small: read without torch.load)
+        transformer/, ema.safetensors   at the end of the run, exported from dcp/ (`export`)
     checkpoints/iter_000041.tmp/       a checkpoint being written (ignored; replaced by the next save)
     checkpoints/iter_000042.damaged/   a checkpoint that failed verification, set aside (never deleted)
 
@@ -30,7 +35,13 @@ Guarantees:
    rows from after the resumed checkpoint are dropped by an atomic rewrite.
 
 The data order and every noise are functions of (seed, iteration), so the iteration is all a resume needs.
-Works without a process group, under DDP and under FSDP2 (full state dicts gathered to rank 0, written by it).
+Works without a process group and under DDP (the full state, written by rank 0), and under FSDP2, where a full
+fine-tune is written with torch.distributed.checkpoint: each rank writes and reads only its own shards, no rank
+gathers the model or the optimizer state, and a checkpoint saved on N ranks loads on M (DCP reshards). A sharded
+checkpoint's large files are verified by size and by DCP's own metadata (every tensor's file, offset and length
+must lie inside the files), not hashed: hashing 190 GB at every save and resume would cost minutes.
+
+    python checkpoint.py export runs/flux/checkpoints/iter_000050    # writes its transformer/ (and ema.safetensors)
 """
 import atexit
 import fcntl
@@ -60,6 +71,9 @@ MANIFEST = "manifest.json"
 # (cut short, or never written) shows in its size; fsync before the rename rules out a right-size file of garbage.
 HASH_LIMIT = 4 << 30
 LORA_WEIGHTS = os.path.join("lora", "pytorch_lora_weights.safetensors")
+DCP = "dcp"  # the folder of a sharded checkpoint
+TRAINER_JSON = "trainer.json"  # a sharded checkpoint's small state (the optimizer's is in dcp/)
+EXPORT_SHARD_BYTES = 5 << 30  # export writes the weights in safetensors files of at most this size
 
 
 def _is_main():
@@ -202,8 +216,39 @@ def _trainer_state_problem(path):
     return None if isinstance(state, dict) and "iteration" in state else "unreadable trainer.pt (no iteration)"
 
 
+def is_sharded(path) -> bool:
+    """Whether the checkpoint at `path` was written with torch.distributed.checkpoint (a full fine-tune on FSDP2)."""
+    return os.path.isdir(os.path.join(path, DCP))
+
+
+def _dcp_problem(path):
+    """Why a sharded checkpoint cannot be loaded, or None: trainer.json must parse, and DCP's metadata must open and
+    place every stored tensor inside a file that holds it (file, offset, length)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with open(os.path.join(path, TRAINER_JSON)) as f:
+            if "iteration" not in json.load(f):
+                return f"{TRAINER_JSON} holds no iteration"
+        metadata = FileSystemReader(os.path.join(path, DCP)).read_metadata()
+    except Exception as err:  # any failure to read them means the same thing: this checkpoint cannot resume
+        return f"unreadable {TRAINER_JSON} or {DCP}/.metadata ({type(err).__name__})"
+    ends = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        full = os.path.join(path, DCP, name)
+        if not os.path.isfile(full):
+            return f"missing file {DCP}/{name}"
+        if os.path.getsize(full) != end:  # DCP writes each file up to its last tensor, no further
+            return f"damaged file {DCP}/{name}: it holds {os.path.getsize(full)} bytes, its tensors end at {end}"
+    return None
+
+
 def _structure_problem(path):
     """Why `path` cannot be loaded, judged from its files alone (all a checkpoint without manifest offers)."""
+    if is_sharded(path):
+        return _dcp_problem(path)
     if not os.path.isfile(os.path.join(path, "trainer.pt")):
         return "missing file trainer.pt"
     transformer = os.path.join(path, "transformer")
@@ -253,6 +298,11 @@ def latest_checkpoint(output_dir, log=print):
 
 
 def read_trainer_state(path):
+    """The iteration and config of a checkpoint (and, unsharded, the optimizer state): a sharded checkpoint's is a
+    small JSON file; an unsharded one's is trainer.pt (small unless a single process trains a large model)."""
+    if is_sharded(path):
+        with open(os.path.join(path, TRAINER_JSON)) as f:
+            return json.load(f)
     return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
 
 
@@ -332,14 +382,30 @@ def _rotate(output_dir, iteration, keep):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def uses_dcp(model, lora) -> bool:
+    """A full fine-tune sharded by FSDP2 is saved with torch.distributed.checkpoint (LoRA and DDP are not)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return not lora and isinstance(model, FSDPModule)
+
+
+def _diffusers_class(module):
+    """The diffusers class of a module that FSDP2 may have wrapped (fully_shard subclasses it as FSDP<name>)."""
+    return next(c for c in type(module).__mro__ if c.__module__.startswith("diffusers"))
+
+
 def save(output_dir, iteration, model, transformer, optimizer, config, lora, pipeline_class, keep=2, extra=None,
-         log=print):
+         log=print, export_weights=False):
     """Write checkpoint `iteration` atomically and durably, then keep the newest `keep`. `model` is what was wrapped
     (DDP / FSDP2 / plain), `transformer` the unwrapped diffusers module; `extra` maps names to further state dicts
-    (gathered by the caller), saved as `<name>.safetensors`. All ranks call this (gathering is collective)."""
+    saved as `<name>.safetensors` (gathered by the caller), or, sharded, to tensors saved in dcp/ as they are.
+    `export_weights`: a sharded checkpoint also gets its transformer/ (the end of a run). All ranks call this."""
     if any(not re.fullmatch(r"[A-Za-z0-9_-]+", name) for name in extra or {}):
         raise ValueError(f"extra state names must be letters, digits, '_' or '-': {sorted(extra)}")
     folder = os.path.join(output_dir, "checkpoints", f"iter_{iteration:06d}")
+    if uses_dcp(model, lora):
+        return _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, config, keep, extra, log,
+                             export_weights)
     if lora:
         from peft import get_peft_model_state_dict
 
@@ -352,24 +418,114 @@ def save(output_dir, iteration, model, transformer, optimizer, config, lora, pip
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's partial write
         os.makedirs(tmp)
         _write_files(tmp, iteration, weights, optim_state, config, transformer, lora, pipeline_class, extra)
-        _seal(tmp)
-        if os.path.exists(folder):  # e.g. a damaged checkpoint of this iteration that no resume set aside
-            problem = verify(folder)
-            aside = _set_aside(folder, "damaged" if problem else "replaced")
-            log(f"warning: {folder} already existed ({problem or 'complete'}); set aside as {os.path.basename(aside)}")
-        os.replace(tmp, folder)  # atomic: the checkpoint appears whole or not at all
-        _fsync_dir(os.path.dirname(folder))
-        _fsync_dir(output_dir)  # holds the entry of checkpoints/ itself, new at the first save
-        _rotate(output_dir, iteration, keep)
+        _publish(output_dir, tmp, folder, iteration, keep, log)
     _barrier()
     return folder
 
 
-def load(path, model, transformer, optimizer, lora):
+def _publish(output_dir, tmp, folder, iteration, keep, log):
+    """Seal the written `tmp` (fsync, manifest), rename it to `folder` and rotate: rank 0 alone."""
+    _seal(tmp)
+    if os.path.exists(folder):  # e.g. a damaged checkpoint of this iteration that no resume set aside
+        problem = verify(folder)
+        aside = _set_aside(folder, "damaged" if problem else "replaced")
+        log(f"warning: {folder} already existed ({problem or 'complete'}); set aside as {os.path.basename(aside)}")
+    os.replace(tmp, folder)  # atomic: the checkpoint appears whole or not at all
+    _fsync_dir(os.path.dirname(folder))
+    _fsync_dir(output_dir)  # holds the entry of checkpoints/ itself, new at the first save
+    _rotate(output_dir, iteration, keep)
+
+
+def _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, config, keep, extra, log, export_):
+    """torch.distributed.checkpoint: every rank writes its own shards of the weights, AdamW state and `extra` into
+    `tmp/dcp/` (DCP fsyncs its files), rank 0 the small trainer.json; then rank 0 seals and renames as above."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = folder + ".tmp"
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's partial write
+        os.makedirs(tmp)
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+             **(extra or {})}  # sharded: DTensors of this rank's shards, nothing gathered
+    dcp.save(state, checkpoint_id=os.path.join(tmp, DCP))
+    if _is_main():
+        config_json = json.loads(transformer.to_json_string())
+        config_json["_class_name"] = _diffusers_class(transformer).__name__
+        with open(os.path.join(tmp, TRAINER_JSON), "w") as f:
+            json.dump({"iteration": iteration, "config": config, "transformer_config": config_json}, f, indent=1)
+        if export_:
+            export(tmp, log=log)
+        _publish(output_dir, tmp, folder, iteration, keep, log)
+    _barrier()
+    return folder
+
+
+def export(path, log=print):
+    """From a sharded checkpoint's dcp/, write `path`/transformer/ (diffusers: config.json and safetensors files
+    that `from_pretrained` loads) and, if it holds an EMA, `path`/ema.safetensors. On the CPU, without the run's
+    GPUs or process group, reading at most EXPORT_SHARD_BYTES of tensors at a time."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_sharded(path):
+        raise ValueError(f"{path} is not a sharded checkpoint (no {DCP}/): its transformer/ or lora/ is already "
+                         f"the diffusers format")
+    reader = os.path.join(path, DCP)
+    stored = {k: m for k, m in FileSystemReader(reader).read_metadata().state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata)}
+
+    def groups(prefix):
+        group, size = [], 0
+        for key in sorted(k for k in stored if k.startswith(prefix)):
+            nbytes = stored[key].size.numel() * stored[key].properties.dtype.itemsize
+            if group and size + nbytes > EXPORT_SHARD_BYTES:
+                yield group
+                group, size = [], 0
+            group, size = group + [key], size + nbytes
+        if group:
+            yield group
+
+    def read(keys, prefix):
+        tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
+        dcp.load(tensors, checkpoint_id=reader, no_dist=True)  # this process alone, whatever the world size
+        return {k.removeprefix(prefix): v for k, v in tensors.items()}
+
+    tmp = os.path.join(path, "transformer.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(path, TRAINER_JSON)) as f:
+        json.dump(json.load(f)["transformer_config"], open(os.path.join(tmp, "config.json"), "w"), indent=2)
+    files = list(groups("model."))
+    weight_map, total = {}, 0
+    for i, keys in enumerate(files):
+        name = ("diffusion_pytorch_model.safetensors" if len(files) == 1 else
+                f"diffusion_pytorch_model-{i + 1:05d}-of-{len(files):05d}.safetensors")
+        tensors = read(keys, "model.")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
+        weight_map.update({k: name for k in tensors})
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+    if len(files) > 1:
+        with open(os.path.join(tmp, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    shutil.rmtree(os.path.join(path, "transformer"), ignore_errors=True)
+    os.replace(tmp, os.path.join(path, "transformer"))
+    if any(k.startswith("ema.") for k in stored):
+        save_file({k: v.contiguous() for keys in groups("ema.") for k, v in read(keys, "ema.").items()},
+                  os.path.join(path, "ema.safetensors"))
+    log(f"exported transformer/ ({total / 2**30:.2f} GiB in {len(files)} file(s)) from {os.path.join(path, DCP)}")
+
+
+def load(path, model, transformer, optimizer, lora, extra=None):
     """Restore weights and optimizer state from `path`; returns the trainer state dict, with the extra state dicts
-    under "extra" ({name: state_dict}, empty if the checkpoint holds none)."""
+    under "extra" ({name: state_dict}, empty if the checkpoint holds none). `extra` ({name: {key: tensor}}): for a
+    sharded checkpoint, tensors to load in place (this rank's shards of an EMA); those found are returned as such."""
     from safetensors.torch import load_file
 
+    if is_sharded(path):
+        return _load_sharded(path, model, optimizer, extra or {})
     state = read_trainer_state(path)
     if lora:
         from peft import set_peft_model_state_dict
@@ -386,6 +542,25 @@ def load(path, model, transformer, optimizer, lora):
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     state["extra"] = {name.removesuffix(".safetensors"): load_file(os.path.join(path, name))
                       for name in sorted(os.listdir(path)) if name.endswith(".safetensors")}
+    return state
+
+
+def _load_sharded(path, model, optimizer, extra):
+    """Each rank reads its own shards (DCP reshards when this run has another number of ranks than the saving one,
+    or none at all)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = read_trainer_state(path)  # trainer.json
+    stored = FileSystemReader(os.path.join(path, DCP)).read_metadata().state_dict_metadata
+    present = {name: tensors for name, tensors in extra.items() if any(k.startswith(name + ".") for k in stored)}
+    full = not dist.is_initialized()  # one process: a plain module, whatever the saving run's world size
+    tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+               **present}
+    dcp.load(tensors, checkpoint_id=os.path.join(path, DCP), no_dist=full)
+    set_model_state_dict(model, tensors["model"])
+    set_optimizer_state_dict(model, optimizer, tensors["optimizer"])
+    state["extra"] = present
     return state
 
 
@@ -450,3 +625,14 @@ def truncate_metrics(path, upto_iteration, log=print) -> list:
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "export":
+        raise SystemExit("usage: python checkpoint.py export CHECKPOINT_FOLDER   (writes its transformer/)")
+    if not os.path.isdir(os.path.join(sys.argv[2], DCP)):
+        raise SystemExit(f"error: {sys.argv[2]} holds no {DCP}/ folder; pass a checkpoint of a sharded full fine-tune "
+                         f"(runs/<name>/checkpoints/iter_XXXXXX)")
+    export(sys.argv[2])

@@ -122,8 +122,10 @@ Args = dataclasses.make_dataclass("Args", _reward_path_fields(), bases=(BaseArgs
 
 
 def is_checkpoint(folder: str) -> bool:
+    """A LoRA checkpoint, a full fine-tune's transformer/, or a sharded full fine-tune's dcp/."""
     return (os.path.isfile(os.path.join(folder, "lora", "pytorch_lora_weights.safetensors"))
-            or os.path.isfile(os.path.join(folder, "transformer", "config.json")))
+            or os.path.isfile(os.path.join(folder, "transformer", "config.json"))
+            or os.path.isfile(os.path.join(folder, "dcp", ".metadata")))
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -280,6 +282,12 @@ class CheckpointWeights:
         if os.path.isdir(os.path.join(folder, "transformer")):
             self.full = type(base).from_pretrained(os.path.join(folder, "transformer"), torch_dtype=self.dtype)
             return self.full.to(self.adapter.device).eval().requires_grad_(False)
+        if os.path.isdir(os.path.join(folder, "dcp")):  # a sharded checkpoint: its weights read into a new model
+            import torch.distributed.checkpoint as dcp
+
+            self.full = type(base).from_config(base.config)
+            dcp.load({"model": self.full.state_dict()}, checkpoint_id=os.path.join(folder, "dcp"), no_dist=True)
+            return self.full.to(self.adapter.device, self.dtype).eval().requires_grad_(False)
         lora_file = os.path.join(folder, "lora", "pytorch_lora_weights.safetensors")
         base.load_lora_adapter(lora_file, prefix="transformer", adapter_name="checkpoint")
         scale = lora_scale(lora_file, self.row.config)

@@ -64,11 +64,13 @@ import train
 from g2rpo import optimizer_step, step_loss_backward
 from kernels import sdpa_backends
 from models import ADAPTERS
+from checkpoint import EXPORT_SHARD_BYTES
 from run import fail
 from sampler import sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
+EXPORT_GB = EXPORT_SHARD_BYTES / 1e9
 CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium"}
 # reward models the plan can build from a configuration: name -> (config file, builder)
 REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
@@ -85,6 +87,8 @@ class PlanArgs(flags.Args):
     """Dense bf16 peak of one GPU in TFLOP/s (H100 / H200 SXM: 989; A100: 312), for the time floor."""
     configs: str = ""
     """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium)."""
+    disk_gb_per_s: float = 1.0
+    """Write and read bandwidth of the checkpoint folder per rank in GB/s, for the checkpoint's time."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -524,6 +528,7 @@ def _plan(args, fake, log, mesh=None):
         log(f"evaluation simulated ({time.time() - started:.0f} s)")
 
     lora_grads = (sum(p.numel() * 4 for p in policy.params) if args.lora_rank and world > 1 else 0)
+    notes.append(checkpoint_cost(args, policy, world))
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
     rollout_nfe = args.num_iterations * nfe * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
@@ -535,6 +540,24 @@ def _plan(args, fake, log, mesh=None):
     if skipped:
         notes.append(f"not simulated (their models live outside this process's device code): {', '.join(skipped)}")
     return rows, notes, evaluations
+
+
+def checkpoint_cost(args, policy, world) -> str:
+    """What one checkpoint writes: the trained weights, AdamW's two moments and the EMA, all fp32. A sharded full
+    fine-tune (FSDP2) writes them with torch.distributed.checkpoint, each rank its own shards, in parallel, staging
+    one tensor at a time; LoRA and one process write the whole from rank 0, gathered in its host memory."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in policy.params]
+    per_copy = sum(p.numel() * 4 for p in local)  # this rank's fp32 share of the trained weights
+    copies = 3 + (policy.ema is not None)  # weights, exp_avg, exp_avg_sq (+ EMA)
+    written, largest = per_copy * copies, max(p.numel() * 4 for p in local)
+    seconds = written / (args.disk_gb_per_s * 1e9)
+    if args.lora_rank == 0 and world > 1:
+        return (f"checkpoint: {world} ranks write {written / 1e9:.1f} GB each ({world * written / 1e9:.0f} GB in all) "
+                f"in parallel, {seconds:.0f} s at {args.disk_gb_per_s:g} GB/s per rank; host memory per rank: one "
+                f"tensor at a time (at most {largest / 2**20:.0f} MiB); resume reads the same; the last checkpoint "
+                f"also exports transformer/ ({per_copy * world / 1e9:.1f} GB, read {EXPORT_GB:.1f} GB at a time)")
+    return (f"checkpoint: rank 0 writes {written / 1e9:.2f} GB ({seconds:.0f} s at {args.disk_gb_per_s:g} GB/s), "
+            f"gathered in its host memory; every rank reads it on resume")
 
 
 def args_eval_prompt_count(args):

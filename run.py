@@ -110,9 +110,16 @@ class EMA:
     def state_dict(self):
         return {name: full_tensor(e).detach().cpu().contiguous() for e, (name, _) in zip(self.shadow, self.named)}
 
+    def tensors(self):
+        """The averaged weights as they are held ({name: tensor}; FSDP2: this rank's shards), for a sharded
+        checkpoint, which saves and loads them in place."""
+        return {name: e for e, (name, _) in zip(self.shadow, self.named)}
+
     @torch.no_grad()
     def load_state_dict(self, state):
         for e, (name, _) in zip(self.shadow, self.named):
+            if state[name] is e:  # loaded in place already (a sharded checkpoint)
+                continue
             saved = state[name].to(e.device, e.dtype)
             if hasattr(e, "full_tensor"):  # FSDP2: keep this rank's shard of the saved whole tensor
                 from torch.distributed.tensor import distribute_tensor
@@ -242,8 +249,9 @@ class Run:
                              f"gradients; the last good checkpoint is {latest or 'none (no checkpoint yet)'}")
 
     # ---- checkpoints ----
-    def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None):
-        """Save a checkpoint, unless the weights are not finite (then the last good checkpoint stays the newest)."""
+    def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None, final=False):
+        """Save a checkpoint, unless the weights are not finite (then the last good checkpoint stays the newest).
+        `final`: the run's last, which a sharded full fine-tune also exports as transformer/."""
         # each rank checks its own shards (FSDP2) or copy (DDP): no weights are gathered for it
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
         finite = not any_rank(any(not bool(torch.isfinite(p).all()) for p in local), self.distributed)
@@ -251,9 +259,11 @@ class Run:
             raise SystemExit(f"error: the weights are not finite after iteration {iteration} (a learning rate too "
                              f"high?); no checkpoint written, the last good one is "
                              f"{checkpoint.latest_checkpoint(self.out, log=self.log) if self.master else ''}")
-        extra = {"ema": ema.state_dict()} if ema is not None else None
-        checkpoint.save(self.out, iteration, model, transformer, optimizer, config, self.args.lora_rank > 0,
-                        pipeline_class, extra=extra, log=self.log)
+        lora = self.args.lora_rank > 0
+        sharded = checkpoint.uses_dcp(model, lora)  # then the EMA's shards go into dcp/ as they are
+        extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else None
+        checkpoint.save(self.out, iteration, model, transformer, optimizer, config, lora, pipeline_class, extra=extra,
+                        log=self.log, export_weights=final)
 
     def check_ranks_agree(self, params):
         """Every rank must hold the same (full) parameters after training; a cheap checksum proves it."""

@@ -365,7 +365,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
         # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
             run.save(done, policy.model, policy.transformer, policy.optimizer, config,
-                     policy.adapter.pipeline_class, policy.params, policy.ema)
+                     policy.adapter.pipeline_class, policy.params, policy.ema, final=done == args.num_iterations)
         if stop:
             run.log(f"stopped after iteration {done}; continue with the same command plus --resume")
             return
@@ -431,7 +431,8 @@ def main(args):
         policy = build_policy(args, device, dtype, reward_weights, distributed, log)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)
         if resume_from:
-            state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, args.lora_rank > 0)
+            state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, args.lora_rank > 0,
+                                    extra={"ema": policy.ema.tensors()} if policy.ema is not None else None)
             if policy.ema is not None:
                 if "ema" not in state["extra"]:
                     fail(f"{resume_from} holds no EMA weights; resume without --ema-decay or start a new run")

@@ -278,3 +278,66 @@ def test_truncate_metrics_keeps_rows_up_to_the_checkpoint_and_never_blocks(tmp_p
     os.remove(path)
     assert checkpoint.truncate_metrics(path, 5, log=warnings.append) == []
     assert "missing" in warnings[1] and len(warnings) == 2 and open(path).read() == ""
+
+
+# ---------------------------------------------------------------- sharded (DCP) checkpoints of an FSDP2 model
+
+@pytest.fixture
+def sharded(trained):
+    """The tiny model sharded by FSDP2 over a one-rank gloo process group, as train.py shards a full fine-tune."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    model, _ = trained
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    yield model, optimizer
+    dist.destroy_process_group()
+
+
+def local_weights(model):
+    return {k: v.to_local().clone() for k, v in model.state_dict().items()}
+
+
+SHARD = os.path.join("dcp", "__0_0.distcp")
+SHARDED_DAMAGE = {
+    "truncated shard": (lambda c: truncate(os.path.join(c, SHARD)), f"size mismatch: {SHARD}"),
+    "flipped byte in a shard": (lambda c: flip_a_byte(os.path.join(c, SHARD)), f"checksum mismatch: {SHARD}"),
+    "missing metadata": (lambda c: os.remove(os.path.join(c, "dcp", ".metadata")), "missing file dcp/.metadata"),
+    "missing manifest, truncated shard": (
+        lambda c: (os.remove(os.path.join(c, "manifest.json")), truncate(os.path.join(c, SHARD))),
+        f"damaged file {SHARD}"),
+    "missing manifest and trainer.json": (
+        lambda c: (os.remove(os.path.join(c, "manifest.json")), os.remove(os.path.join(c, "trainer.json"))),
+        "unreadable trainer.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(SHARDED_DAMAGE))
+def test_sharded_checkpoints_verify_fall_back_and_load(tmp_path, sharded, damage):
+    model, optimizer = sharded
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}  # this rank's shards, as run.EMA holds
+    first = checkpoint.save(str(tmp_path), 1, model, model, optimizer, {"seed": 0}, False, None, extra={"ema": ema})
+    assert sorted(os.listdir(os.path.join(first, "dcp"))) == [".metadata", "__0_0.distcp"]
+    assert checkpoint.verify(first) is None and checkpoint.read_trainer_state(first)["iteration"] == 1
+    expected, saved_ema = local_weights(model), {k: v.to_local().clone() for k, v in ema.items()}
+    newest = checkpoint.save(str(tmp_path), 2, model, model, optimizer, {"seed": 0}, False, None, extra={"ema": ema})
+    harm, reason = SHARDED_DAMAGE[damage]
+    harm(newest)
+    assert reason in checkpoint.verify(newest)
+    good = checkpoint.latest_checkpoint(str(tmp_path), log=lambda m: None)
+    assert good == first and os.path.isdir(newest + ".damaged")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for v in ema.values():
+            v.zero_()
+    state = checkpoint.load(good, model, model, optimizer, lora=False, extra={"ema": ema})
+    assert state["iteration"] == 1 and state["extra"]["ema"] is ema  # loaded in place
+    assert all(torch.equal(v, expected[k]) for k, v in local_weights(model).items())
+    assert all(torch.equal(v.to_local(), saved_ema[k]) for k, v in ema.items())

@@ -5,12 +5,14 @@ Run: python -m pytest -q tests/test_train.py
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, run_train
+from conftest import QUICK, ROOT, run_train
 
 
 def read_metrics(out):
@@ -119,7 +121,8 @@ def test_ema_is_the_hand_computed_average():
 def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "2", "--lora-rank", str(lora),
-              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", "--kl-beta", "0.1", *QUICK]
+              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", "--kl-beta", "0.1", *QUICK,
+              *(["--checkpoint-every", "1"] if not lora else [])]
     run_train([*common, "--output-dir", one])
     proc = run_train([*common, "--output-dir", two], torchrun=2)
     assert "ranks agree on the parameters" in proc.stdout
@@ -135,3 +138,43 @@ def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     else:
         initial = load_file(os.path.join(flux_path, "transformer", "diffusion_pytorch_model.safetensors"))
         assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-3
+
+    if not lora:
+        check_sharded_checkpoints(common, one, two, tmp_path)
+
+
+def close(x, y):
+    assert x.keys() == y.keys()
+    for k in x:  # equal up to the order of the gradient reduction
+        torch.testing.assert_close(x[k], y[k], rtol=1e-4, atol=1e-6)
+
+
+def check_sharded_checkpoints(common, one, two, tmp_path):
+    """FSDP2's checkpoints are DCP folders with one file of shards per rank and no gathered copy; the last is also
+    exported as transformer/ (and ema.safetensors). A checkpoint saved on 2 ranks resumes on 1 process, one saved by
+    1 process resumes on 2 ranks, and both continue as the uninterrupted runs did."""
+    import shutil
+
+    import checkpoint
+
+    first = os.path.join(two, "checkpoints", "iter_000001")
+    assert sorted(os.listdir(os.path.join(first, "dcp"))) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not os.path.exists(os.path.join(first, "transformer")) and checkpoint.verify(first) is None
+    for source, target, ranks in [(two, tmp_path / "two_to_one", 0), (one, tmp_path / "one_to_two", 2)]:
+        shutil.copytree(source, target)  # then lose its last checkpoint, as a preempted run would
+        shutil.rmtree(os.path.join(target, "checkpoints", "iter_000002"))
+        run_train([*common, "--output-dir", str(target), "--resume"], torchrun=ranks)
+        close(transformer_weights(source, 2), transformer_weights(str(target), 2))
+        close(extra_state(source, 2), extra_state(str(target), 2))
+    subprocess.run([sys.executable, os.path.join(ROOT, "checkpoint.py"), "export", first], check=True)
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    exported = FluxTransformer2DModel.from_pretrained(os.path.join(first, "transformer"))
+    final = transformer_weights(two, 2)
+    assert final.keys() == exported.state_dict().keys()
+    assert any(not torch.equal(exported.state_dict()[k], final[k]) for k in final)  # iteration 1's, not 2's
+    pipe = FluxPipeline.from_pretrained(common[common.index("--model-path") + 1], transformer=exported)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red circle on the left", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
+                 output_type="pt").images
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
