@@ -144,30 +144,50 @@ class Run:
         """Lock the folder and decide where the run starts (rank 0). Returns the checkpoint to resume or None.
         Nothing else is written until `begin`, so a run that fails to load its models leaves the folder as it was."""
         args = self.args
+        if args.resume and not os.path.isdir(self.out):  # before the lock, which would create the folder
+            fail(f"--resume but '{self.out}' does not exist, so it holds no complete checkpoint; check --output-dir, "
+                 f"or drop --resume to start a new run")
         try:
             self.lock = checkpoint.lock_output(self.out, log=self.log)
         except checkpoint.LockedError as err:
             fail(str(err))
         except OSError as err:
             fail(f"--output-dir '{self.out}' is not writable ({err.strerror}); choose another folder")
-        config_path = os.path.join(self.out, "config.json")
         resume_from = checkpoint.latest_checkpoint(self.out, log=self.log) if args.resume else None
-        if args.resume and resume_from is None:
-            fail(f"--resume but '{self.out}' holds no complete checkpoint; drop --resume to start afresh")
+        if args.resume and resume_from is None:  # e.g. a run that died before its first checkpoint
+            self.log(f"note: '{self.out}' holds no complete checkpoint to resume; starting afresh in it")
         if resume_from:
             diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config)
             if diff:
                 fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
                      f"{diff[2]} here); resume with the same settings or use a new --output-dir")
-        elif os.path.exists(config_path) and not args.overwrite:
+        elif self.holds_a_run() and not (args.overwrite or args.resume):
             fail(f"--output-dir '{self.out}' already holds a run; pass --resume to continue it, "
                  f"--overwrite to replace it, or choose another folder")
         return resume_from
 
+    def holds_a_run(self) -> bool:
+        """Whether the folder holds a run's files: its config, metrics, or any checkpoint (even without a config)."""
+        checkpoints = os.path.join(self.out, "checkpoints")
+        return (any(os.path.exists(os.path.join(self.out, name)) for name in ("config.json", "metrics.jsonl"))
+                or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+
+    def resumed_flags(self, saved: dict, current: dict, optimizer):
+        """On resume, every flag is applied, refused or reported: the configuration's keys (RESUME_KEYS) were
+        refused if they differ; the optimizer's learning rate and weight decay, which the loaded optimizer state
+        brings back, are set to this run's; every other flag applies from now on, and those that changed are said."""
+        for group in optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.args.lr, self.args.weight_decay
+        changed = [f"--{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in sorted(current)
+                   if k in saved and k not in checkpoint.RESUME_KEYS and k not in ("resume", "overwrite")
+                   and json.dumps(saved[k]) != json.dumps(current[k])]
+        if changed:
+            self.log(f"note: resuming with flags changed since the checkpoint, applied from now on: {'; '.join(changed)}")
+
     def begin(self, config: dict, fresh: bool):
         """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration."""
-        if fresh:
-            for stale in ("metrics.jsonl", "checkpoints", "samples", "tensorboard"):
+        if fresh:  # a --resume that found no checkpoint keeps checkpoints/ (set-aside damaged ones are never deleted)
+            for stale in ("metrics.jsonl", "samples", "tensorboard") + (() if self.args.resume else ("checkpoints",)):
                 path = os.path.join(self.out, stale)
                 if os.path.isdir(path):
                     shutil.rmtree(path)

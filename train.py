@@ -437,6 +437,7 @@ def main(args):
                 if "ema" not in state["extra"]:
                     fail(f"{resume_from} holds no EMA weights; resume without --ema-decay or start a new run")
                 policy.ema.load_state_dict(state["extra"]["ema"])
+            run.resumed_flags(state["config"], config, policy.optimizer)
             log(f"resumed from {resume_from} at iteration {start}")
         if master:
             run.begin(config, fresh=not resume_from)

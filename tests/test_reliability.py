@@ -344,3 +344,40 @@ def test_a_wrong_gradient_stops_the_first_update(base, monkeypatch, tmp_path):
     message = str(exit_info.value.code)
     assert message.startswith("error: gradient self-check failed") and "--attention-backend math" in message
     assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the first optimizer step
+
+
+# ---------------------------------------------------------------- the run folder across runs (round three)
+
+def test_a_folder_with_checkpoints_but_no_config_is_not_wiped(base, capsys, tmp_path):
+    out = tmp_path / "run"
+    run_train([*base, "--num-iterations", "1"])
+    os.remove(out / "config.json")
+    kept = sorted(map(str, (out / "checkpoints").rglob("*")))
+    expect_error(capsys, base, "already holds a run; pass --resume")
+    assert sorted(map(str, (out / "checkpoints").rglob("*"))) == kept and (out / "metrics.jsonl").exists()
+
+
+def test_resume_applies_a_new_learning_rate_and_says_so(base, tmp_path):
+    out = tmp_path / "run"
+    run_train([*base, "--num-iterations", "1", "--lr", "1e-2"])
+    proc = run_train([*base, "--num-iterations", "2", "--resume", "--lr", "1e-3", "--weight-decay", "0.5"])
+    assert "--lr 0.01 -> 0.001" in proc.stdout and "--weight-decay 0.0001 -> 0.5" in proc.stdout
+    groups = torch.load(out / "checkpoints" / "iter_000002" / "trainer.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert all(g["lr"] == 1e-3 and g["weight_decay"] == 0.5 for g in groups)
+
+
+def test_a_run_that_died_before_its_first_checkpoint_resumes_afresh(base, capsys, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "iter_000001.tmp").mkdir(parents=True)  # killed while writing its first checkpoint
+    (out / "checkpoints" / "iter_000000.damaged").mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    expect_error(capsys, base, "already holds a run; pass --resume to continue it")
+    proc = run_train([*base, "--num-iterations", "1", "--resume"])
+    assert "holds no complete checkpoint to resume; starting afresh" in proc.stdout
+    assert sorted(os.listdir(out / "checkpoints")) == ["iter_000000.damaged", "iter_000001"]
+
+
+def test_resume_into_a_missing_folder_writes_nothing(base, capsys, tmp_path):
+    expect_error(capsys, [*base, "--resume"], "does not exist")
+    assert not (tmp_path / "run").exists()
