@@ -338,12 +338,21 @@ def _sync_and_describe(path) -> dict:
     return entry
 
 
+def _file_mode() -> int:
+    """The mode a new file gets under this process's umask (0o644 with the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _seal(tmp):
-    """fsync every file under `tmp`, then write and fsync manifest.json last, then fsync every folder."""
-    files = {}
+    """Give every file under `tmp` the same mode (a library may write one owner-only), fsync it, then write and
+    fsync manifest.json last, then fsync every folder."""
+    files, mode = {}, _file_mode()
     for root, _, names in os.walk(tmp):
         for name in names:
             full = os.path.join(root, name)
+            os.chmod(full, mode)
             files[os.path.relpath(full, tmp)] = _sync_and_describe(full)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)

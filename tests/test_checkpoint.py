@@ -123,6 +123,8 @@ def test_save_writes_a_manifest_and_load_restores_everything(tmp_path, trained):
     assert sorted(files) == ["ema.safetensors", "trainer.pt", "transformer/config.json", WEIGHTS]
     for name, entry in files.items():
         assert entry["size"] == os.path.getsize(os.path.join(path, name)) and len(entry["sha256"]) == 64
+    modes = {os.stat(os.path.join(path, name)).st_mode & 0o777 for name in [*files, "manifest.json"]}
+    assert len(modes) == 1  # the weights too, which the hub library writes owner-only
     assert checkpoint.verify(path) is None
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():

@@ -381,3 +381,18 @@ def test_a_run_that_died_before_its_first_checkpoint_resumes_afresh(base, capsys
 def test_resume_into_a_missing_folder_writes_nothing(base, capsys, tmp_path):
     expect_error(capsys, [*base, "--resume"], "does not exist")
     assert not (tmp_path / "run").exists()
+
+
+def test_prompt_files_a_bom_a_control_character_and_a_fifo(base, capsys, tmp_path):
+    from run import read_prompts
+
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffa red circle on the left\nа blue square\n".encode("utf-8"))
+    assert read_prompts(str(bom), "--prompt-file")[0] == "a red circle on the left"
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"a red circle\na blue\x00square\n")
+    expect_error(capsys, [*base, "--prompt-file", str(nul)], "line 2 holds the control character '\\x00'")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    expect_error(capsys, [*base, "--eval-prompt-file", str(fifo)], "is a named pipe (FIFO)")
+    expect_error(capsys, [*base, "--prompt-file", "/dev/null"], "is a device")
