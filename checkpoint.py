@@ -297,6 +297,17 @@ def latest_checkpoint(output_dir, log=print):
     return None
 
 
+def newest_good_checkpoint(output_dir, log=print):
+    """The newest checkpoint that verifies, or None, without renaming anything (for readers such as evaluate.py,
+    which may look at a run while it trains); damaged newer ones are named in a warning."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        log(f"warning: checkpoint {path} is damaged ({problem}); taking an older one")
+    return None
+
+
 def read_trainer_state(path):
     """The iteration and config of a checkpoint (and, unsharded, the optimizer state): a sharded checkpoint's is a
     small JSON file; an unsharded one's is trainer.pt (small unless a single process trains a large model)."""

@@ -129,17 +129,20 @@ def is_checkpoint(folder: str) -> bool:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder as given, or a run folder's newest complete iter_* (not .tmp, not .damaged)."""
+    """A checkpoint folder as given, or a run folder's newest checkpoint that verifies, by train.py --resume's rule
+    (iter_N folders only: not .tmp, .damaged, .replaced or a user's copy); either must verify."""
+    import checkpoint
+
     if is_checkpoint(path):
+        problem = checkpoint.verify(path)
+        if problem:
+            fail(f"--checkpoint '{path}' is damaged ({problem}); pass another checkpoint or its run folder")
         return path
-    folder = os.path.join(path, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    found = sorted(name for name in names if name.startswith("iter_") and not name.endswith(".tmp")
-                   and ".damaged" not in name and is_checkpoint(os.path.join(folder, name)))
-    if not found:
-        fail(f"--checkpoint '{path}' is neither a checkpoint (lora/ or transformer/ inside) nor a run folder with a "
-             f"complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
-    return os.path.join(folder, found[-1])
+    found = checkpoint.newest_good_checkpoint(path)
+    if found is None:
+        fail(f"--checkpoint '{path}' is neither a checkpoint (lora/, transformer/ or dcp/ inside) nor a run folder with "
+             f"a complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
+    return found
 
 
 def run_config(checkpoint: str) -> dict:

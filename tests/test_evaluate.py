@@ -46,6 +46,12 @@ def save_lora_checkpoint(folder, transformer):
     weights = get_peft_model_state_dict(transformer)
     FluxPipeline.save_lora_weights(os.path.join(folder, "lora"), transformer_lora_layers=weights)
     save_file({"w": torch.zeros(1)}, os.path.join(folder, "ema.safetensors"))
+    write_trainer_state(folder)
+
+
+def write_trainer_state(folder, iteration=1):
+    """The rest of a checkpoint as train.py writes it (evaluate.py verifies what it loads)."""
+    torch.save({"iteration": iteration, "optimizer": {}, "config": {}}, os.path.join(folder, "trainer.pt"))
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"files": {}}, f)
 
@@ -66,6 +72,7 @@ def runs(flux_path, tmp_path_factory):
     (lora_run / "config.json").write_text(json.dumps(config))
     full = root / "full_run" / "checkpoints" / "iter_000005"
     FluxTransformer2DModel.from_pretrained(os.path.join(flux_path, "transformer")).save_pretrained(full / "transformer")
+    write_trainer_state(str(full), 5)
     (root / "full_run" / "config.json").write_text(json.dumps({**config, "lora_rank": 0}))
     return {"lora": str(lora_run), "full": str(full), "root": root}
 
@@ -275,3 +282,22 @@ def test_plot_of_training_curves(tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "plots" / "curves.png").size[0] > 800
+
+
+def test_a_run_folders_checkpoint_is_picked_and_verified_as_resume_does(runs, tmp_path, capsys):
+    """The newest checkpoint that verifies, not the last name in sort order: a damaged iter_N is passed over with a
+    warning, and a superseded copy (iter_N.replaced, a user's iter_N.bak) never wins."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["lora"], run)
+    checkpoints = run / "checkpoints"
+    shutil.copytree(checkpoints / "iter_000002", checkpoints / "iter_000009.replaced")
+    shutil.copytree(checkpoints / "iter_000002", checkpoints / "iter_000009.bak")
+    assert evaluate.resolve_checkpoint(str(run)).endswith("iter_000002")
+    os.remove(checkpoints / "iter_000002" / "trainer.pt")  # damaged: the older one is taken, with a warning
+    assert evaluate.resolve_checkpoint(str(run)).endswith("iter_000001")
+    assert "iter_000002 is damaged (missing file trainer.pt)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        evaluate.resolve_checkpoint(str(checkpoints / "iter_000002"))
+    assert "is damaged" in capsys.readouterr().err
