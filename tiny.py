@@ -247,11 +247,23 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
     folder = os.path.join(os.path.abspath(cache_dir), f"tiny-v{VERSION}-seed{seed}-vae{vae_steps}-flow{flow_steps}")
     checksum = os.path.join(folder, "checksum.json")
     if os.path.exists(checksum):
-        with open(checksum) as f:
-            if json.load(f).get("sha256") == _digest(folder):
-                log(f"tiny: using the pre-trained model cached in {folder}")
-                return folder
+        try:
+            with open(checksum) as f:
+                if json.load(f).get("sha256") == _digest(folder):
+                    log(f"tiny: using the pre-trained model cached in {folder}")
+                    return folder
+        except (OSError, ValueError, AttributeError):  # an unreadable or damaged checksum file: rebuild too
+            pass
         log(f"tiny: the cache in {folder} fails its checksum; rebuilding it")
+    try:  # before minutes of pre-training, not after
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(os.path.join(cache_dir, ".writable"), "w"):
+            pass
+        os.remove(os.path.join(cache_dir, ".writable"))
+    except OSError as err:
+        from run import fail
+
+        fail(f"--tiny-cache '{cache_dir}' is not writable ({err.strerror}); pass a folder you can write to")
     log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")
     pipe = _pretrain(seed, vae_steps, flow_steps, log)
     tmp = folder + ".tmp"

@@ -29,6 +29,21 @@ def test_cache_reused_and_corruption_rebuilt(tmp_path):
     rebuilt = tiny.ensure_pretrained(str(tmp_path / "a"), seed=3, vae_steps=2, flow_steps=2, log=logs.append)
     assert any("fails its checksum" in line for line in logs)
     assert tiny._digest(rebuilt) == digest
+    # a damaged checksum file is rebuilt as well, not a JSON traceback
+    with open(os.path.join(rebuilt, "checksum.json"), "w") as f:
+        f.write('{"sha256": ')
+    logs.clear()
+    assert tiny._digest(tiny.ensure_pretrained(str(tmp_path / "a"), seed=3, vae_steps=2, flow_steps=2,
+                                               log=logs.append)) == digest
+    assert any("fails its checksum" in line for line in logs)
+
+
+def test_an_unwritable_cache_is_refused_before_pre_training(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.ensure_pretrained(str(blocker / "cache"), log=lambda m: pytest.fail(f"it started: {m}"))
+    assert exit_info.value.code == 2 and "--tiny-cache" in capsys.readouterr().err
 
 
 def test_prompt_sets_are_disjoint_and_shipped():
