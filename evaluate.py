@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Literal, Optional
@@ -517,7 +518,16 @@ def read_metrics(run: str) -> list[dict]:
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         fail(f"--plot: '{path}' not found; pass run folders written by train.py")
-    rows = {row["iteration"]: row for row in checkpoint.read_metrics(path) if isinstance(row.get("iteration"), int)}
+    read = checkpoint.read_metrics(path)
+    rows = {row["iteration"]: row for row in read if isinstance(row.get("iteration"), int)}
+    with open(path, errors="replace") as f:
+        lines = sum(1 for line in f if line.strip())
+    unread = lines - sum(1 for row in read if isinstance(row.get("iteration"), int))
+    if unread:
+        print(f"warning: {unread} of the {lines} rows of {path} could not be read (cut short, not JSON, or no "
+              f"iteration) and are left out")
+    if not rows:
+        fail(f"--plot: '{path}' holds no readable rows; pass run folders written by train.py")
     return [rows[i] for i in sorted(rows)]
 
 
@@ -526,11 +536,11 @@ def reward_curves(rows: list[dict]) -> dict:
     of a row is the rollout's forwards up to and including that iteration (perf/nfe summed)."""
     curves, nfe = {}, 0
     for row in rows:
-        nfe += row.get("perf/nfe") or 0
+        nfe += row.get("perf/nfe") if isinstance(row.get("perf/nfe"), (int, float)) else 0
         for key, value in row.items():
             parts = key.split("/")
-            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"]) and value is not None \
-                    and math.isfinite(value):
+            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"]) \
+                    and isinstance(value, (int, float)) and math.isfinite(value):  # a non-number is skipped
                 its, nfes, values = curves.setdefault(key, ([], [], []))
                 its.append(row["iteration"]), nfes.append(nfe), values.append(value)
     return curves
@@ -577,4 +587,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, as train.py
+        print("\ninterrupted; nothing more was written", file=sys.stderr)
+        raise SystemExit(130)

@@ -301,3 +301,31 @@ def test_a_run_folders_checkpoint_is_picked_and_verified_as_resume_does(runs, tm
     with pytest.raises(SystemExit):
         evaluate.resolve_checkpoint(str(checkpoints / "iter_000002"))
     assert "is damaged" in capsys.readouterr().err
+
+
+def test_plot_says_what_it_cannot_read(tmp_path):
+    empty, odd = tmp_path / "empty", tmp_path / "odd"
+    empty.mkdir()
+    odd.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    code, _, stderr = run_main(["--plot", str(empty), "--output-dir", str(tmp_path / "plots")])
+    assert code == 2 and "holds no readable rows" in stderr and not (tmp_path / "plots" / "curves.png").exists()
+    (odd / "metrics.jsonl").write_text('{"iteration": 1, "train/reward/shapes": "high"}\n'
+                                       '{"iteration": 2, "train/reward/shapes": 0.5}\nnot json\n')
+    code, stdout, stderr = run_main(["--plot", str(odd), "--output-dir", str(tmp_path / "plots")])
+    assert code in (0, None), stderr
+    assert "1 of the 3 rows" in stdout and (tmp_path / "plots" / "curves.png").exists()
+
+
+def test_ctrl_c_exits_quietly(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "tiny", "--tiny-cache",
+                             str(tmp_path / "cache")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    assert "tiny: pre-training" in proc.stdout.readline()  # it is at work
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
