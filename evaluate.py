@@ -98,8 +98,10 @@ class BaseArgs:
     """bf16 weights and autocast on CUDA; CPU always runs fp32."""
     offload_text_encoders: bool = False
     """Keep the text encoders on the CPU between prompt batches."""
-    output_dir: str = "runs/eval"
-    """Where table.md, results.json, grid.png (and images/, curves.png) are written."""
+    output_dir: str = ""
+    """Where table.md, results.json, grid.png (and images/, curves.png) are written; default: eval/ in the first
+    checkpoint's run folder (runs/<name>/eval), or runs/eval_<model> for the base alone. One evaluation at a time
+    holds it (a lock, as train.py's output folder)."""
     grid_prompts: int = 8
     """Prompts (seed 0) shown in grid.png, one row per model; 0 = no grid."""
     save_images: bool = False
@@ -213,6 +215,9 @@ def plan_rows(args) -> list[Row]:
     for path in args.checkpoint:
         folder = resolve_checkpoint(path)
         config = run_config(folder)
+        if args.model and config.get("model") and config["model"] != args.model:
+            fail(f"--checkpoint '{path}' is from a --model {config['model']} run, not --model {args.model}; drop "
+                 f"--model (the run's family is used) or pass a checkpoint of the {args.model} family")
         run_name = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(folder))))
         name = f"{run_name}/{os.path.basename(folder)}"
         rows.append(Row(name, folder, settings_for(args, config, {}), config))
@@ -346,8 +351,9 @@ def markdown_table(results: list[dict], metrics: list[str]) -> str:
     """One row per model, one column per metric: mean ± standard error in the paper's units."""
     header = [f"{m} (/100)" if PAPER_SCALE.get(m) == 0.01 else m for m in metrics]
     lines = ["| model | " + " | ".join(header) + " |", "|---|" + "---|" * len(metrics)]
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # no mean without a finite score, no error of one image
     for row in results:
-        cells = [f"{row['metrics'][m]['mean']:.4f} ± {row['metrics'][m]['stderr']:.4f}" for m in metrics]
+        cells = [f"{fmt(row['metrics'][m]['mean'])} ± {fmt(row['metrics'][m]['stderr'])}" for m in metrics]
         lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -423,6 +429,10 @@ def evaluate(args):
     """Sample and score every model over this rank's share of the items; rank 0 writes the table and files."""
     check_args(args)
     rows = plan_rows(args)
+    if not args.output_dir:  # each run's evaluations in its own folder, so two runs' tables never mix
+        first = next((r.checkpoint for r in rows if r.checkpoint), None)
+        args.output_dir = (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(first))), "eval") if first
+                           else os.path.join("runs", f"eval_{rows[0].settings['model']}"))
     preset = family_defaults(rows[0].settings["model"])
     metrics = args.metrics or preset["metrics"]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
@@ -436,6 +446,14 @@ def evaluate(args):
         metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
+    lock = None
+    if rank == 0:  # a second evaluation into this folder is refused instead of mixing its files with this one's
+        import checkpoint
+
+        try:
+            lock = checkpoint.lock_output(args.output_dir)
+        except checkpoint.LockedError as err:
+            fail(str(err).replace("output folder", "evaluation folder"))
     adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     grid_items = sorted(range(min(args.grid_prompts, len(prompts))))
     results, grid_images = score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank, world)
@@ -444,6 +462,8 @@ def evaluate(args):
         print(f"{len(prompts)} prompts x {args.seeds} seeds from {prompt_file}; mean ± standard error:")
         print(table)
         print(f"wrote {os.path.join(args.output_dir, 'results.json')}, table.md" + (", grid.png" if grid_items else ""))
+    if lock is not None:
+        lock.release()
     return results
 
 
@@ -577,7 +597,7 @@ def plot_runs(runs: list[str], path: str):
 def main(argv=None):
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     if args.plot:
-        return plot_runs(args.plot, os.path.join(args.output_dir, "curves.png"))
+        return plot_runs(args.plot, os.path.join(args.output_dir or os.path.join("runs", "eval"), "curves.png"))
     results = evaluate(args)
     import torch.distributed as dist
 

@@ -199,6 +199,7 @@ def test_settings_flags_override_the_run_config(runs):
     (["--prompt-file", "missing.txt"], "--prompt-file 'missing.txt' not found"),
     (["--metrics", "unifiedreward", "--unifiedreward-url", "http://127.0.0.1:9/v1"], "no judge answering"),
     (["--model-path", "/nonexistent/flux"], "could not load a diffusers pipeline"),
+    (["--model", "sd3"], "is from a --model flux run, not --model sd3"),
 ])
 def test_bad_inputs_give_one_error_line(runs, extra, message, tmp_path):
     flags = {"--checkpoint": [runs["lora"]], "--prompt-file": [PROMPTS], "--metrics": ["shapes"],
@@ -329,3 +330,23 @@ def test_ctrl_c_exits_quietly(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
+
+
+def test_evaluations_get_their_own_folder_and_one_at_a_time(runs, tmp_path, monkeypatch):
+    """By default a run's evaluation goes into its own eval/; a second evaluation into a folder that one holds is
+    refused, not mixed into it."""
+    import checkpoint
+
+    args = evaluate.tyro.cli(evaluate.Args, args=["--checkpoint", runs["lora"]])
+    assert args.output_dir == ""
+    monkeypatch.chdir(tmp_path)
+    held = str(tmp_path / "held")
+    with checkpoint.lock_output(held):
+        code, _, stderr = run_main(["--checkpoint", runs["lora"], "--prompt-file", PROMPTS, "--metrics", "shapes",
+                                    "--output-dir", held, "--num-prompts", "1"])
+    assert code == 2 and "evaluation folder" in stderr and "is in use by" in stderr
+    assert os.listdir(held) == [".lock"]
+    code, stdout, stderr = run_main(["--checkpoint", runs["lora"], "--prompt-file", PROMPTS, "--metrics", "shapes",
+                                     "--num-prompts", "1", "--grid-prompts", "0", "--no-base"])
+    assert code in (0, None), stderr
+    assert os.path.isfile(os.path.join(runs["lora"], "eval", "results.json"))
