@@ -44,6 +44,7 @@ must lie inside the files), not hashed: hashing 190 GB at every save and resume 
     python checkpoint.py export runs/flux/checkpoints/iter_000050    # writes its transformer/ (and ema.safetensors)
 """
 import atexit
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -89,6 +90,33 @@ def _barrier():
 
 class LockedError(RuntimeError):
     """The output folder is held by another run that is still alive."""
+
+
+class NoSpaceError(OSError):
+    """A checkpoint could not be written for lack of space; what it had written was removed."""
+
+
+def _no_space(err) -> bool:
+    import errno
+
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    # safetensors and DCP report an OS error inside their own exception, by its message
+    return getattr(err, "errno", None) in codes or any(os.strerror(code) in str(err) for code in codes)
+
+
+@contextlib.contextmanager
+def _removed_if_full(tmp, iteration):
+    """A save that runs out of space removes its partial `tmp` (which would keep the disk full) and says so in one
+    line; the previous checkpoints are untouched (the rename never happened)."""
+    try:
+        yield
+    except BaseException as err:  # DCP wraps a rank's OSError in a CheckpointException (a BaseException)
+        if not _no_space(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise NoSpaceError(f"no space left on the device (or the file-size limit) while writing checkpoint "
+                           f"{iteration}; its partial files were removed and the previous checkpoints are intact. "
+                           f"Free some space, then run the same command plus --resume") from None
 
 
 class Lock:
@@ -437,8 +465,9 @@ def save(output_dir, iteration, model, transformer, optimizer, config, lora, pip
         tmp = folder + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's partial write
         os.makedirs(tmp)
-        _write_files(tmp, iteration, weights, optim_state, config, transformer, lora, pipeline_class, extra)
-        _publish(output_dir, tmp, folder, iteration, keep, log)
+        with _removed_if_full(tmp, iteration):
+            _write_files(tmp, iteration, weights, optim_state, config, transformer, lora, pipeline_class, extra)
+            _publish(output_dir, tmp, folder, iteration, keep, log)
     _barrier()
     return folder
 
@@ -468,7 +497,8 @@ def _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, 
     _barrier()
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              **(extra or {})}  # sharded: DTensors of this rank's shards, nothing gathered
-    dcp.save(state, checkpoint_id=os.path.join(tmp, DCP))
+    with _removed_if_full(tmp, iteration):
+        dcp.save(state, checkpoint_id=os.path.join(tmp, DCP))
     if _is_main():
         config_json = json.loads(transformer.to_json_string())
         config_json["_class_name"] = _diffusers_class(transformer).__name__

@@ -18,7 +18,8 @@ Run:
     torchrun --nproc_per_node 8 evaluate.py --checkpoint runs/flux        # prompts sharded over 8 GPUs
     python evaluate.py --plot runs/tiny runs/tiny_full                    # reward curves of one or more runs
 
-Outputs (in --output-dir): table.md, results.json (settings, means, standard errors, every score), grid.png (the
+Outputs (in --output-dir; default runs/<name>/eval/ of the first checkpoint's run, runs/eval_<model> for the base
+alone, runs/eval for --plot): table.md, results.json (settings, means, standard errors, every score), grid.png (the
 first --grid-prompts prompts, one row per model), images/ with --save-images, curves.png with --plot.
 """
 import dataclasses

@@ -295,8 +295,11 @@ class Run:
         lora = self.args.lora_rank > 0
         sharded = checkpoint.uses_dcp(model, lora)  # then the EMA's shards go into dcp/ as they are
         extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else None
-        checkpoint.save(self.out, iteration, model, transformer, optimizer, config, lora, pipeline_class, extra=extra,
-                        log=self.log, export_weights=final)
+        try:
+            checkpoint.save(self.out, iteration, model, transformer, optimizer, config, lora, pipeline_class,
+                            extra=extra, log=self.log, export_weights=final)
+        except checkpoint.NoSpaceError as err:
+            fail(str(err))
 
     def check_ranks_agree(self, params):
         """Every rank must hold the same (full) parameters after training; a cheap checksum proves it."""

@@ -86,11 +86,12 @@ def write_lines(path: str, lines: list[str]):
 def main(args: Args) -> dict[str, str]:
     """Read both splits, then write both files; returns {split: written path}."""
     prompts = {split: read_prompts(annotation_file(name, args.annotations_dir)) for split, name in SPLITS.items()}
+    empty = [split for split, lines in prompts.items() if not lines]
+    if empty:  # checked for both splits before either file is written: both files change, or neither
+        raise PromptFileError(f"the {' and '.join(empty)} annotations hold no prompt; nothing was written")
     os.makedirs(args.out_dir, exist_ok=True)
     written = {}
     for split, lines in prompts.items():
-        if not lines:
-            raise PromptFileError(f"the {split} annotations hold no prompt")
         written[split] = os.path.join(args.out_dir, f"hpdv2_{split}.txt")
         write_lines(written[split], lines)
         print(f"wrote {written[split]} ({len(lines):,} prompts)")

@@ -343,3 +343,29 @@ def test_sharded_checkpoints_verify_fall_back_and_load(tmp_path, sharded, damage
     assert state["iteration"] == 1 and state["extra"]["ema"] is ema  # loaded in place
     assert all(torch.equal(v, expected[k]) for k, v in local_weights(model).items())
     assert all(torch.equal(v.to_local(), saved_ema[k]) for k, v in ema.items())
+
+
+def test_a_save_that_runs_out_of_space_removes_its_partial_files(tmp_path):
+    """A real write failure: the process's file-size limit (RLIMIT_FSIZE) makes the second save fail midway, as a
+    full disk would; its .tmp is removed, one line says so, and the first checkpoint stays the newest good one."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        import checkpoint
+        from diffusers import FluxTransformer2DModel
+        model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                       attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                       pooled_projection_dim=16, axes_dims_rope=[2, 2, 4])
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoint.save({str(tmp_path)!r}, 1, model, model, optimizer, {{}}, False, None, log=print)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        try:
+            checkpoint.save({str(tmp_path)!r}, 2, model, model, optimizer, {{}}, False, None, log=print)
+        except checkpoint.NoSpaceError as err:
+            print("refused:", err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused: no space left" in proc.stdout, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000001"]
+    assert checkpoint.latest_checkpoint(str(tmp_path), log=pytest.fail).endswith("iter_000001")

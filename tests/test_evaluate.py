@@ -258,6 +258,13 @@ def test_hpdv2_prompt_files_from_annotations(tmp_path):
     assert os.path.basename(written["test"]) == "hpdv2_test.txt"
     assert hpdv2.how_to_write("prompts/hpdv2_train.txt") == "write it with: python prompts/hpdv2.py"
     assert hpdv2.how_to_write("prompts/mine.txt") == ""
+    # an empty test split: neither file changes (the train file is not replaced beside an old test file)
+    before = {split: open(path, encoding="utf-8").read() for split, path in written.items()}
+    (annotations / "train.json").write_text(json.dumps(train + [{"prompt": "a new prompt"}]), encoding="utf-8")
+    (annotations / "test.json").write_text(json.dumps(test[1:]), encoding="utf-8")
+    with pytest.raises(hpdv2.PromptFileError, match="test annotations hold no prompt; nothing was written"):
+        hpdv2.main(hpdv2.Args(annotations_dir=str(annotations), out_dir=str(tmp_path / "prompts")))
+    assert {split: open(path, encoding="utf-8").read() for split, path in written.items()} == before
     (annotations / "test.json").write_text(json.dumps({"prompt": "not a list"}))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "prompts", "hpdv2.py"), "--annotations-dir",
                            str(annotations), "--out-dir", str(tmp_path / "x")], capture_output=True, text=True)
