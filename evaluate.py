@@ -447,15 +447,15 @@ def evaluate(args):
         metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
+    adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     lock = None
     if rank == 0:  # a second evaluation into this folder is refused instead of mixing its files with this one's
         import checkpoint
 
-        try:
+        try:  # after the checks and the model load: an evaluation refused for bad input writes nothing
             lock = checkpoint.lock_output(args.output_dir)
         except checkpoint.LockedError as err:
             fail(str(err).replace("output folder", "evaluation folder"))
-    adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     grid_items = sorted(range(min(args.grid_prompts, len(prompts))))
     results, grid_images = score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank, world)
     if rank == 0:

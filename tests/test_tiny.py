@@ -1,5 +1,5 @@
 """The built-in tiny model: its pre-training cache, and G2RPO (and the full-SDE control) raising the held-out
-reward in short runs over three seeds.
+reward in short runs over two seeds.
 
 Run: python -m pytest -q tests/test_tiny.py
 """
@@ -60,15 +60,15 @@ SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteratio
 @pytest.mark.parametrize("sampling", ["g2rpo", "full"])
 def test_short_runs_improve_held_out_reward(sampling, tiny_cache, tmp_path):
     gains = []
-    for seed in range(3):
+    for seed in range(2):
         out = str(tmp_path / f"s{seed}")
         run_train(["--model", "tiny", "--tiny-cache", tiny_cache, "--sampling", sampling, "--seed", str(seed),
                    "--output-dir", out, *SHORT])
         rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
         evals = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
         gains.append(evals[-1] - evals[0])
-    # measured on 2 cores, seeds 0, 1, 2 (the held-out reward starts at 0.606, eval-seed std 0.011):
-    # g2rpo +0.028 +0.037 +0.031, full SDE +0.015 +0.019 +0.017
+    # measured on 2 cores, seeds 0, 1 (2 of them: a third added 70 s to the suite and nothing to the verdict; the
+    # held-out reward starts at 0.606, eval-seed std 0.011): g2rpo +0.028 +0.037, full SDE +0.015 +0.019
     floor, mean = {"g2rpo": (0.015, 0.02), "full": (0.005, 0.01)}[sampling]
     assert min(gains) > floor, gains  # every seed improves, by a margin
-    assert sum(gains) / 3 > mean, gains
+    assert sum(gains) / len(gains) > mean, gains
