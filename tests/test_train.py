@@ -149,11 +149,34 @@ def close(x, y):
         torch.testing.assert_close(x[k], y[k], rtol=1e-4, atol=1e-6)
 
 
+def kill_torchrun_after(args, out, iteration):
+    """Start train.py under torchrun on 2 ranks and SIGKILL every process at a random moment within 0.5 s after
+    `iteration` is logged: possibly while the ranks write their shards, or while rank 0 seals the folder."""
+    import random
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             os.path.join(ROOT, "train.py"), *args, "--output-dir", out], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    metrics, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if os.path.exists(metrics) and any(json.loads(line).get("iteration", -1) >= iteration
+                                           for line in open(metrics) if line.strip()):
+            break
+        time.sleep(0.1)
+    time.sleep(random.uniform(0.0, 0.5))
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def check_sharded_checkpoints(common, one, two, tmp_path):
     """FSDP2's checkpoints are DCP folders with one file of shards per rank and no gathered copy; the last is also
-    exported as transformer/ (and ema.safetensors). A checkpoint saved on 2 ranks resumes on 2 ranks bit for bit
-    and on 1 process, one saved by 1 process resumes on 2 ranks; all continue as the uninterrupted runs did (across
-    world sizes up to the order of the gradient reduction)."""
+    exported as transformer/ (and ema.safetensors). A 2-rank run killed at any point resumes on 2 ranks bit for bit;
+    a checkpoint saved on 2 ranks resumes on 1 process, one saved by 1 process on 2 ranks; all continue as the
+    uninterrupted runs did (across world sizes, up to the order of the gradient reduction)."""
     import shutil
 
     import checkpoint
@@ -163,8 +186,11 @@ def check_sharded_checkpoints(common, one, two, tmp_path):
     assert not os.path.exists(os.path.join(first, "transformer")) and checkpoint.verify(first) is None
     for source, target, ranks in [(two, tmp_path / "two_to_two", 2), (two, tmp_path / "two_to_one", 0),
                                   (one, tmp_path / "one_to_two", 2)]:
-        shutil.copytree(source, target)  # then lose its last checkpoint, as a preempted run would
-        shutil.rmtree(os.path.join(target, "checkpoints", "iter_000002"))
+        if source == two and ranks == 2:  # a real 2-rank run killed at an arbitrary point, maybe mid-save
+            kill_torchrun_after(common, str(target), iteration=1)
+        else:  # a finished run that loses its last checkpoint, as a preempted one would
+            shutil.copytree(source, target)
+            shutil.rmtree(os.path.join(target, "checkpoints", "iter_000002"))
         run_train([*common, "--output-dir", str(target), "--resume"], torchrun=ranks)
         for resumed, uninterrupted in [(transformer_weights(str(target), 2), transformer_weights(source, 2)),
                                        (extra_state(str(target), 2), extra_state(source, 2))]:
