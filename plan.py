@@ -631,8 +631,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # diffusers' blocks return views, as in training
     if args.gpus < 1:
         fail(f"--gpus {args.gpus}: must be >= 1")
-    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0 and args.peak_tflops > 0):
-        fail("--gpu-memory-gib and --peak-tflops must be > 0")
+    if not all(math.isfinite(v) and v > 0 for v in (args.gpu_memory_gib, args.peak_tflops, args.disk_gb_per_s)):
+        fail("--gpu-memory-gib, --peak-tflops and --disk-gb-per-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
     if args.model != "tiny" and not os.path.isfile(os.path.join(folder, "transformer.json")):
