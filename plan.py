@@ -316,30 +316,31 @@ def build_rewards(names, device, dtype, batch_size, fake_mode):
 
             with building(dtype, fake_mode):
                 model = CLIPModel(CLIPConfig(**_json(folder, REWARD_CONFIGS[name]))).eval().requires_grad_(False)
-            fns[name] = rewards._batched(_clip_image_text_score(model, device, dtype), batch_size)
+            fns[name] = rewards._batched(_clip_image_text_score(model, device, dtype, text=name == "pickscore"),
+                                         batch_size)
             modules.append(model)
         else:
             skipped.append(name)
     return fns, modules, skipped
 
 
-def _clip_image_text_score(model, device, dtype):
-    """PickScore's computation (rewards.pickscore) on a model built here: 224 px CLIP features of image and text."""
+def _clip_image_text_score(model, device, dtype, text=True):
+    """rewards.py's PickScore computation on a model built here (224 px CLIP features of image and text); without
+    `text`, the aesthetic score's path: the image features alone (its MLP head is a few MB)."""
     import rewards
     from transformers import CLIPImageProcessor
 
     import tiny
 
     tokenizer, ip = tiny.build_tokenizers()[0], CLIPImageProcessor()
-
-    def score(images, prompts):
-        pixels = rewards.preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std)
-        text = tokenizer(prompts, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
-        image = F.normalize(rewards._projected(model.get_image_features(pixel_values=pixels.to(dtype))), dim=-1)
-        text = F.normalize(rewards._projected(model.get_text_features(**text.to(device))), dim=-1)
-        return model.logit_scale.exp().float() * (image * text).sum(-1)
-
-    return score
+    if text:
+        tokenize = lambda prompts: tokenizer(prompts, padding="max_length", truncation=True, max_length=77,
+                                             return_tensors="pt")
+        return rewards.clip_logit_score(model, tokenize, ip.crop_size["height"], ip.image_mean, ip.image_std,
+                                        device, dtype)
+    size, mean, std = ip.crop_size["height"], ip.image_mean, ip.image_std
+    return lambda images, prompts: rewards._projected(model.get_image_features(
+        pixel_values=rewards.preprocess(images.to(device), size, mean, std).to(dtype)))[:, 0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -157,15 +157,23 @@ def pickscore(device, dtype, batch_size, paths):
         raise RewardError(f"could not load the PickScore processor from '{paths['pickscore_processor']}': "
                           f"{str(err)[:200]}") from None
     ip = processor.image_processor
+    tokenize = lambda prompts: processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                                   return_tensors="pt")
+    return _batched(clip_logit_score(model, tokenize, ip.crop_size["height"], ip.image_mean, ip.image_std, device,
+                                     dtype), batch_size)
+
+
+def clip_logit_score(model, tokenize, size, mean, std, device, dtype):
+    """PickScore's computation for a transformers CLIPModel: logit_scale.exp() * cos(image, text) of its projected
+    features; `tokenize(prompts)` gives the text model's inputs (also used by plan.py on a model built from config)."""
 
     def score(images, prompts):
-        pixels = preprocess(images.to(device), ip.crop_size["height"], ip.image_mean, ip.image_std).to(dtype)
-        text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        pixels = preprocess(images.to(device), size, mean, std).to(dtype)
         image = F.normalize(_projected(model.get_image_features(pixel_values=pixels)), dim=-1)
-        text = F.normalize(_projected(model.get_text_features(**text.to(device))), dim=-1)
+        text = F.normalize(_projected(model.get_text_features(**tokenize(prompts).to(device))), dim=-1)
         return model.logit_scale.exp().float() * (image * text).sum(-1)
 
-    return _batched(score, batch_size)
+    return score
 
 
 class AestheticHead(torch.nn.Module):
