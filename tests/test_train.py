@@ -161,10 +161,13 @@ def kill_torchrun_after(args, out, iteration):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     metrics, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 300
-    while proc.poll() is None and time.time() < deadline:
-        if os.path.exists(metrics) and any(json.loads(line).get("iteration", -1) >= iteration
-                                           for line in open(metrics) if line.strip()):
-            break
+    def logged():
+        try:
+            return any(json.loads(line).get("iteration", -1) >= iteration for line in open(metrics) if line.strip())
+        except (OSError, ValueError):  # not written yet, or a line caught while it is being written
+            return False
+
+    while proc.poll() is None and time.time() < deadline and not logged():
         time.sleep(0.1)
     time.sleep(random.uniform(0.0, 0.5))
     if proc.poll() is None:
