@@ -312,27 +312,20 @@ def _set_aside(path, label):
     return target
 
 
-def latest_checkpoint(output_dir, log=print):
-    """The newest checkpoint that verifies, or None. Newer damaged ones are named in a warning and set aside as
-    `iter_N.damaged` so they neither block nor are retried. Renames folders: call it from one process (rank 0)."""
+def latest_checkpoint(output_dir, log=print, set_aside=True):
+    """The newest checkpoint that verifies, or None. Newer damaged ones are named in a warning and, with `set_aside`,
+    renamed `iter_N.damaged` so they neither block nor are retried (call that from one process, rank 0); readers
+    such as evaluate.py, which may look at a run while it trains, pass set_aside=False and rename nothing."""
     for path in reversed(list_checkpoints(output_dir)):
         problem = verify(path)
         if problem is None:
             return path
-        aside = _set_aside(path, "damaged")
-        log(f"warning: checkpoint {path} is damaged ({problem}); set aside as {os.path.basename(aside)}, "
-            f"trying an older one")
-    return None
-
-
-def newest_good_checkpoint(output_dir, log=print):
-    """The newest checkpoint that verifies, or None, without renaming anything (for readers such as evaluate.py,
-    which may look at a run while it trains); damaged newer ones are named in a warning."""
-    for path in reversed(list_checkpoints(output_dir)):
-        problem = verify(path)
-        if problem is None:
-            return path
-        log(f"warning: checkpoint {path} is damaged ({problem}); taking an older one")
+        if set_aside:
+            aside = _set_aside(path, "damaged")
+            log(f"warning: checkpoint {path} is damaged ({problem}); set aside as {os.path.basename(aside)}, "
+                f"trying an older one")
+        else:
+            log(f"warning: checkpoint {path} is damaged ({problem}); taking an older one")
     return None
 
 
@@ -546,8 +539,8 @@ def export(path, log=print):
     tmp = os.path.join(path, "transformer.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    with open(os.path.join(path, TRAINER_JSON)) as f:
-        json.dump(json.load(f)["transformer_config"], open(os.path.join(tmp, "config.json"), "w"), indent=2)
+    with open(os.path.join(path, TRAINER_JSON)) as f, open(os.path.join(tmp, "config.json"), "w") as out:
+        json.dump(json.load(f)["transformer_config"], out, indent=2)
     files = list(groups("model."))
     weight_map, total = {}, 0
     for i, keys in enumerate(files):

@@ -142,7 +142,7 @@ def resolve_checkpoint(path: str) -> str:
         if problem:
             fail(f"--checkpoint '{path}' is damaged ({problem}); pass another checkpoint or its run folder")
         return path
-    found = checkpoint.newest_good_checkpoint(path)
+    found = checkpoint.latest_checkpoint(path, set_aside=False)
     if found is None:
         fail(f"--checkpoint '{path}' is neither a checkpoint (lora/, transformer/ or dcp/ inside) nor a run folder with "
              f"a complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
