@@ -150,6 +150,7 @@ class Run:
         self.metrics_path = os.path.join(self.out, "metrics.jsonl")
         self.lock, self.tracker = None, None
         self.stop_requested, self.faults, self.optimizer_steps, self.warned_skip = False, 0, 0, False
+        self.stopped_at = None  # the iteration whose checkpoint a requested stop wrote
         self._previous_handlers = {}
 
     # ---- the folder: locked, refused if it holds another run, resumed from its newest good checkpoint ----
@@ -210,8 +211,9 @@ class Run:
             json.dump({**config, "code_version": code_version()}, f, indent=1)
 
     def close(self):
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
+        if not self.stop_requested:  # a stopping run keeps its handlers: a repeated Ctrl-C while it exits is no error
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
         if self.lock is not None:
             self.lock.release()
 
@@ -221,8 +223,11 @@ class Run:
 
     def _on_signal(self, signum, frame):
         if self.stop_requested:
-            self.log(f"\nsecond signal {signum}: aborting now; no checkpoint was written for the current "
-                     f"iteration, the previous one is intact")
+            if self.stopped_at is not None:
+                self.log(f"\nsecond signal {signum}: exiting; the checkpoint of iteration {self.stopped_at} is written")
+            else:
+                self.log(f"\nsecond signal {signum}: aborting now; no checkpoint was written for the current "
+                         f"iteration, the previous one is intact")
             raise SystemExit(130)
         self.stop_requested = True
         self.log(f"\nreceived signal {signum}: saving a checkpoint at the end of this iteration "

@@ -367,6 +367,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
             run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                      policy.adapter.pipeline_class, policy.params, policy.ema, final=done == args.num_iterations)
         if stop:
+            run.stopped_at = done
             run.log(f"stopped after iteration {done}; continue with the same command plus --resume")
             return
     bar.close()

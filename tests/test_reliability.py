@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -291,7 +292,9 @@ def test_second_signal_aborts_at_once_keeping_the_last_checkpoint(flux_path, tmp
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert "no checkpoint was written for the current iteration" in stdout
+    # the second signal lands mid-iteration (aborting), or after the first's stop checkpoint was written (exiting)
+    assert ("no checkpoint was written for the current iteration" in stdout
+            or re.search(r"the checkpoint of iteration \d+ is written", stdout)), stdout
     import checkpoint
 
     newest = checkpoint.latest_checkpoint(out)
