@@ -141,7 +141,11 @@ class TrainArgs:
     checkpoint_every: int = 50
     """Save a checkpoint every this many iterations (and at the end)."""
     log_with: Literal["none", "wandb", "tensorboard"] = "none"
-    """Optional experiment tracker, imported only when asked for."""
+    """Experiment tracker: scalars every iteration, held-out samples at every evaluation; files in the run folder."""
+    run_name: str = ""
+    """The tracker's name for the run (default: the run folder's name)."""
+    tracker_project: str = "g2rpo"
+    """The wandb project."""
     seed: int = 42
     """Seed of the data order and every noise (reference 42)."""
     tiny_cache: str = ".cache"
@@ -262,7 +266,7 @@ def check_flags(args, world: int, log=print):
     if args.resume and args.overwrite:
         fail("--resume and --overwrite contradict each other; pass one")
     if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
-        fail(f"--log-with {args.log_with} needs its package: pip install {args.log_with}")
+        fail(f"--log-with {args.log_with} needs its package: pip install -r requirements.txt")
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
         fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
              f"pass the folder holding model_index.json")

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -201,7 +202,8 @@ class Run:
     def begin(self, config: dict, fresh: bool):
         """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration."""
         if fresh:  # a --resume that found no checkpoint keeps checkpoints/ (set-aside damaged ones are never deleted)
-            for stale in ("metrics.jsonl", "samples", "tensorboard") + (() if self.args.resume else ("checkpoints",)):
+            replaced = ("metrics.jsonl", "samples", "tensorboard", "wandb", Tracker.WANDB_ID)
+            for stale in replaced + (() if self.args.resume else ("checkpoints",)):
                 path = os.path.join(self.out, stale)
                 if os.path.isdir(path):
                     shutil.rmtree(path)
@@ -211,6 +213,9 @@ class Run:
             json.dump({**config, "code_version": code_version()}, f, indent=1)
 
     def close(self):
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
         if not self.stop_requested:  # a stopping run keeps its handlers: a repeated Ctrl-C while it exits is no error
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
@@ -248,21 +253,12 @@ class Run:
             return
         checkpoint.append_metrics(self.metrics_path, {"iteration": iteration, **metrics})
         if self.tracker is not None:
-            self.tracker(metrics, iteration)
+            self.tracker.scalars(metrics, iteration)
 
-    def open_tracker(self, config: dict):
-        if not self.master or self.args.log_with == "none":
-            return
-        if self.args.log_with == "wandb":
-            import wandb
-
-            wandb_run = wandb.init(project="g2rpo", config=config)
-            self.tracker = lambda m, it: wandb_run.log(m, step=it)
-        else:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(os.path.join(self.out, "tensorboard"))
-            self.tracker = lambda m, it: [writer.add_scalar(k, v, it) for k, v in m.items()]
+    def open_tracker(self, config: dict, start: int):
+        """The experiment tracker (rank 0): its files in the run folder, one tracker run across resumes."""
+        if self.master and self.args.log_with != "none":
+            self.tracker = Tracker(self.args, self.out, config, start, self.log)
 
     # ---- faults: skipped steps warn once, then too many faulty iterations in a row stop the run ----
     def count_faults(self, metrics: dict) -> bool:
@@ -317,14 +313,18 @@ class Run:
         self.log(f"{self.world} ranks agree on the parameters (checksum {sums[0]:.6f})")
 
     # ---- sample grids and the closing summary ----
-    def save_grid(self, images, name, eval_prompts):
+    def save_grid(self, images, iteration, eval_prompts, captions):
+        """The evaluation's samples: a grid in samples/ and, with a tracker, the images captioned with prompt and seed."""
         if not self.master:
             return
         from torchvision.utils import save_image
 
         os.makedirs(os.path.join(self.out, "samples"), exist_ok=True)
         n = min(len(images), 2 * eval_prompts, 24)
-        save_image(images[:n], os.path.join(self.out, "samples", name), nrow=min(n, 12), padding=1)
+        save_image(images[:n], os.path.join(self.out, "samples", f"eval_iter_{iteration:06d}.png"), nrow=min(n, 12),
+                   padding=1)
+        if self.tracker is not None:
+            self.tracker.images(images[:n], captions[:n], iteration)
 
     def summary(self, before: dict, after: dict, reward_names):
         parts = []
@@ -347,3 +347,62 @@ class Run:
             grid.paste(bottom, (0, top.height + 4))
             grid.save(os.path.join(samples, "before_after.png"))
             self.log(f"before (top) / after (bottom) samples: {os.path.join(samples, 'before_after.png')}")
+
+
+class Tracker:
+    """TensorBoard or wandb, as `--log-with` asks: scalars every iteration, the held-out samples at every evaluation,
+    the configuration once. Its files live in the run folder, and a resumed run continues the same tracker run:
+    TensorBoard drops the events logged after the checkpoint (a crash's partial work), wandb reuses the run id kept
+    in the folder."""
+
+    WANDB_ID = "wandb_run_id.txt"
+
+    def __init__(self, args, out: str, config: dict, start: int, log):
+        name = args.run_name or os.path.basename(os.path.abspath(out))
+        self.kind = args.log_with
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            folder = os.path.join(out, "tensorboard")
+            # purge_step: events from iterations after the checkpoint are dropped, so no curve doubles back
+            self.writer = SummaryWriter(folder, purge_step=start + 1 if start else None)
+            if not start:
+                self.writer.add_text("config", f"```\n{json.dumps(config, indent=1)}\n```", 0)
+            log(f"tensorboard: watch with `tensorboard --logdir {folder}`")
+        else:
+            import wandb
+
+            id_file = os.path.join(out, self.WANDB_ID)
+            run_id = open(id_file).read().strip() if start and os.path.exists(id_file) else uuid.uuid4().hex[:8]
+            with open(id_file, "w") as f:
+                f.write(run_id + "\n")
+            self.wandb = wandb
+            self.run = wandb.init(project=args.tracker_project, name=name, id=run_id, resume="allow", dir=out,
+                                  config=config)
+            where = self.run.url or os.path.relpath(self.run.dir, os.getcwd())
+            log(f"wandb: run {name} ({run_id}), {'watch at ' + where if self.run.url else 'offline, files in ' + where}")
+
+    def scalars(self, metrics: dict, iteration: int):
+        if self.kind == "tensorboard":
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, iteration)
+        else:
+            self.run.log(metrics, step=iteration)
+
+    def images(self, images, captions, iteration: int):
+        """One grid (TensorBoard, with the captions as text) or one captioned image per sample (wandb)."""
+        if self.kind == "tensorboard":
+            from torchvision.utils import make_grid
+
+            self.writer.add_image("eval/samples", make_grid(images, nrow=min(len(images), 12), padding=1), iteration)
+            self.writer.add_text("eval/captions", "  \n".join(captions), iteration)
+        else:
+            arrays = (images.permute(0, 2, 3, 1).clamp(0, 1) * 255).round().byte().numpy()
+            self.run.log({"eval/samples": [self.wandb.Image(a, caption=c) for a, c in zip(arrays, captions)]},
+                         step=iteration)
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.writer.close()
+        else:
+            self.run.finish()

@@ -337,9 +337,11 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
     sigmas = sigma_schedule(args.num_steps, args.shift)
     evaluate_ = lambda: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
+    captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
+                                                                         args.eval_seeds)]
     if start == 0:
         before, images = evaluate_()
-        run.save_grid(images, "eval_iter_000000.png", shown)
+        run.save_grid(images, 0, shown, captions)
         run.write_metrics(0, before)
     else:
         before = run.resume_metrics(start)
@@ -356,7 +358,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
         if done % args.eval_every == 0 or done == args.num_iterations:
             eval_metrics, images = evaluate_()
             metrics.update(eval_metrics)
-            run.save_grid(images, f"eval_iter_{done:06d}.png", shown)
+            run.save_grid(images, done, shown, captions)
         run.write_metrics(done, metrics)
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
@@ -442,7 +444,7 @@ def main(args):
             log(f"resumed from {resume_from} at iteration {start}")
         if master:
             run.begin(config, fresh=not resume_from)
-        run.open_tracker(config)
+        run.open_tracker(config, start)
         run.catch_signals()
         train(args, config, policy, run, prompts, eval_prompts, start, rank, world, distributed)
         if distributed:
