@@ -10,6 +10,8 @@ see only latents, sigmas and prompt indices, so they do not know which model the
   SD3 / SD3.5 (`SD3Adapter`): latents (B, C, h, w); classifier-free guidance inside the velocity, so the
       rollout and the update see the same guided velocity. One velocity evaluation costs 2 image-forwards
       (`forwards_per_velocity`), which the rollout's NFE counts.
+  Z-Image (`ZImageAdapter`): latents (B, C, h, w), passed as lists with unpadded captions; the transformer takes the
+      time 1 - sigma and predicts -v. Z-Image-Turbo needs no guidance; with `guidance` > 0, CFG as SD3.
 
 Shapes: n samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
 
@@ -40,17 +42,19 @@ def missing_weights_message(path: str, err: Exception) -> str:
             f"(`hf auth login`) and accept the model's license on its hub page, then retry")
 
 
-def add_lora(transformer, rank: int, alpha: float, feed_forward: bool):
+def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=None):
     """LoRA (peft) of rank `rank` on the attention projections, and on the feed-forward ones if `feed_forward`.
 
     The frozen base stays in the dtype it was loaded in (bf16 on a GPU: it is only read); the LoRA weights, the only
     trained ones, are fp32, because autocast computes in bf16 anyway and AdamW's small steps vanish in bf16 weights.
     `alpha` 0 means alpha = rank. The LoRA initialisation draws from torch's global generator: seed it first.
+    `targets`: (attention, feed-forward) module names; FLUX's and SD3's by default.
     """
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
-    targets = LORA_ATTENTION + (LORA_FEED_FORWARD if feed_forward else [])
+    attention, ff = targets or (LORA_ATTENTION, LORA_FEED_FORWARD)  # an adapter's `lora_targets`
+    targets = attention + (ff if feed_forward else [])
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
                                        target_modules=targets))
     for p in transformer.parameters():
@@ -64,6 +68,7 @@ class Adapter:
 
     pipeline_class = None
     forwards_per_velocity = 1  # image-forwards of the transformer in one velocity evaluation (2 with CFG)
+    lora_targets = (LORA_ATTENTION, LORA_FEED_FORWARD)  # module names of the attention and feed-forward layers
 
     def __init__(self, pipe, device, dtype, offload_text_encoders=False, place_transformer=True, **options):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
@@ -201,6 +206,54 @@ class SD3Adapter(Adapter):
         return uncond + self.guidance * (text - uncond)
 
 
-ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter}
+class ZImageAdapter(Adapter):
+    """Z-Image (Tongyi-MAI, a 6B single-stream transformer; Qwen3 text encoder). The transformer takes lists: one
+    latent (C, 1, h, w) and one unpadded caption (T_i, D) per sample, and the time 1 - sigma; it predicts the
+    negative velocity. Z-Image-Turbo samples without guidance; `guidance` > 0 runs classifier-free guidance against
+    the empty caption, as the base model's pipeline does, at 2 image-forwards per velocity."""
+    from diffusers import ZImagePipeline as pipeline_class
+    lora_targets = (["to_q", "to_k", "to_v", "to_out.0"], ["w1", "w2", "w3"])
+
+    def __init__(self, pipe, device, dtype, guidance: float = 0.0, max_sequence_length: int = 512,
+                 offload_text_encoders: bool = False, place_transformer: bool = True, **options):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
+        self.guidance, self.max_sequence_length = guidance, max_sequence_length
+        self.forwards_per_velocity = 2 if guidance > 0 else 1
+
+    def encode_prompts(self, prompts):
+        embeds, negative = self.pipe.encode_prompt(  # lists of unpadded (T_i, D), from the second-to-last layer
+            list(prompts), device=self.device,  # a copy: diffusers writes the chat-templated prompts into the list do_classifier_free_guidance=self.guidance > 0,
+            max_sequence_length=self.max_sequence_length)
+        cond = {"prompt_embeds": torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True),  # (B, T, D)
+                "lengths": torch.tensor([len(e) for e in embeds])}  # (B,)
+        if negative:
+            cond.update(negative_embeds=torch.nn.utils.rnn.pad_sequence(negative, batch_first=True),
+                        negative_lengths=torch.tensor([len(e) for e in negative]))
+        return cond
+
+    def noise(self, generators, resolution):
+        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+        shape = (self.transformer.config.in_channels, h, w)
+        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, h, w)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """latents (M, C, h, w) -> (M, C, h, w) float32; guided v_c + w (v_c - v_u) when `guidance` > 0."""
+        index = prompt_index.tolist()
+        texts = [cond["prompt_embeds"][i, : cond["lengths"][i]] for i in index]  # M captions (T_i, D)
+        x, t = list(latents.unsqueeze(2).unbind(0)), (1 - sigma).to(self.device)  # its time runs from noise (0)
+        if self.guidance > 0:
+            texts += [cond["negative_embeds"][i, : cond["negative_lengths"][i]] for i in index]
+            x, t = x + x, torch.cat([t, t])
+        texts = list(self.kernels.text_inputs(*texts))
+        with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
+            out = transformer(x, t, texts, return_dict=False)[0]  # a list of (C, 1, h, w)
+        v = -torch.stack(out).squeeze(2).float()  # the transformer predicts -v
+        if self.guidance > 0:
+            text, uncond = v.chunk(2)
+            return text + self.guidance * (text - uncond)
+        return v
+
+
+ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter}
 # image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
-RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4}
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16}

@@ -94,7 +94,8 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
     if full:
         transformer.requires_grad_(True)
     else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha or args.lora_rank, args.lora_feed_forward)
+        add_lora(transformer, args.lora_rank, args.lora_alpha or args.lora_rank, args.lora_feed_forward,
+                 adapter.lora_targets)
     reference = None
     if full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
         import copy

@@ -41,6 +41,44 @@ def build_sd3_pipeline(seed=0):
         tokenizer_3=t5_tok)
 
 
+def build_zimage_pipeline(seed=0):
+    """A randomly initialised tiny ZImagePipeline: a Qwen3 text encoder with a word-level tokenizer that carries a
+    chat template (the pipeline wraps each prompt in one), the single-stream transformer, a small VAE."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+
+    import tiny
+
+    torch.manual_seed(seed)
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "\n", *sorted(set(tiny.WORDS))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                     pre_tokenizers.WhitespaceSplit()])
+    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }}\n{{ m['content'] }} <|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|> assistant\n{% endif %}")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                        eos_token="<|im_end|>", chat_template=template, model_max_length=32)
+    text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                          head_dim=16, max_position_embeddings=64))
+    transformer = ZImageTransformer2DModel(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4,
+                                           n_kv_heads=4, cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32])
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 16], layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
+                        mid_block_add_attention=False, shift_factor=0.1, scaling_factor=0.5)
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
+
+
+@pytest.fixture(scope="session")
+def zimage_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("zimage") / "pipeline")
+    build_zimage_pipeline().save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def flux_path(tmp_path_factory):
     """A random tiny FLUX.1-style pipeline (guidance embedding, CLIP + T5) in a folder, as users' weights are."""
