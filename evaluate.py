@@ -47,6 +47,7 @@ EVAL_DEFAULTS = {
     "flux": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "sd3": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "zimage": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "flux2": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "tiny": dict(batch_size=64, metrics=["shapes"]),
 }
 
@@ -65,8 +66,8 @@ EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # t
 
 @dataclass
 class BaseArgs:
-    model: Optional[Literal["flux", "sd3", "zimage", "tiny"]] = None
-    """Model family (default: the checkpoint run's). flux, sd3, zimage, or tiny (the built-in CPU model)."""
+    model: Optional[Literal["flux", "sd3", "zimage", "flux2", "tiny"]] = None
+    """Model family (default: the checkpoint run's). flux, sd3, zimage, flux2, or tiny (the built-in CPU model)."""
     model_path: Optional[str] = None
     """The base diffusers pipeline: a folder or hub id (default: the checkpoint run's, else the family's)."""
     checkpoint: list[str] = field(default_factory=list)

@@ -26,14 +26,14 @@ from sampler import granular_schedule, sigma_schedule
 @dataclass
 class TrainArgs:
     # --- model ---
-    model: Literal["flux", "sd3", "zimage", "tiny"] = "flux"
+    model: Literal["flux", "sd3", "zimage", "flux2", "tiny"] = "flux"
     """Model family and preset of defaults: flux (FLUX.1, the paper's), sd3 (SD3 / SD3.5, CFG), zimage (Z-Image-Turbo),
-    tiny (built-in, CPU)."""
+    flux2 (FLUX.2 klein 4B), tiny (built-in, CPU)."""
     model_path: str = "black-forest-labs/FLUX.1-dev"
     """A diffusers pipeline folder or hub id. Ignored by --model tiny, which builds its own."""
     guidance: float = 3.5
-    """FLUX: the guidance embedding value (reference 3.5). SD3, Z-Image: the classifier-free guidance scale (SD3.5
-    typ. 4.5; Z-Image-Turbo 0, no guidance)."""
+    """FLUX: the guidance embedding value (reference 3.5). SD3, Z-Image, FLUX.2: the classifier-free guidance scale
+    (SD3.5 typ. 4.5; Z-Image-Turbo and FLUX.2 klein 0, no guidance; the klein base models 4)."""
     max_sequence_length: int = 512
     """T5 tokens per prompt (FLUX max 512, SD3 max 256); longer prompts are truncated with a warning."""
     lora_rank: int = 0
@@ -168,6 +168,11 @@ PRESETS = {
     # Z-Image-Turbo as its model card samples it: 1024², 9 steps of the shift-3 schedule, no guidance; LoRA on one GPU
     "zimage": dict(model_path="Tongyi-MAI/Z-Image-Turbo", guidance=0.0, max_sequence_length=512, resolution=1024,
                    num_steps=9, shift=3.0, sde_steps=[0, 1, 2, 3], lora_rank=32, lr=1e-4, output_dir="runs/zimage"),
+    # FLUX.2 klein 4B (distilled) as its card samples it: 1024², 4 steps, no guidance. The pipeline shifts the
+    # schedule by exp(mu), mu = compute_empirical_mu(4096 tokens, 4 steps): 9.89 (recompute for other sizes)
+    "flux2": dict(model_path="black-forest-labs/FLUX.2-klein-4B", guidance=0.0, max_sequence_length=512,
+                  resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], granularities=[1, 2], lora_rank=32,
+                  lr=1e-4, output_dir="runs/flux2"),
     # fp32 on every device (deviation 12): bf16 costs this small model a tenth of its held-out reward
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,

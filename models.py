@@ -12,6 +12,8 @@ see only latents, sigmas and prompt indices, so they do not know which model the
       (`forwards_per_velocity`), which the rollout's NFE counts.
   Z-Image (`ZImageAdapter`): latents (B, C, h, w), passed as lists with unpadded captions; the transformer takes the
       time 1 - sigma and predicts -v. Z-Image-Turbo needs no guidance; with `guidance` > 0, CFG as SD3.
+  FLUX.2 [klein] (`Flux2KleinAdapter`): the VAE's 2x2 patches as tokens (B, L, 4C), normalised by its batch-norm
+      statistics; no guidance in the distilled models, CFG with `guidance` > 0 (the base models).
 
 Shapes: n samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
 
@@ -54,7 +56,10 @@ def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=N
 
     transformer.requires_grad_(False)
     attention, ff = targets or (LORA_ATTENTION, LORA_FEED_FORWARD)  # an adapter's `lora_targets`
-    targets = attention + (ff if feed_forward else [])
+    if isinstance(attention, str):  # regular expressions, matched against the full module name
+        targets = f"(?:{attention})|(?:{ff})" if feed_forward else attention
+    else:
+        targets = attention + (ff if feed_forward else [])
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
                                        target_modules=targets))
     for p in transformer.parameters():
@@ -221,9 +226,11 @@ class ZImageAdapter(Adapter):
         self.forwards_per_velocity = 2 if guidance > 0 else 1
 
     def encode_prompts(self, prompts):
-        embeds, negative = self.pipe.encode_prompt(  # lists of unpadded (T_i, D), from the second-to-last layer
-            list(prompts), device=self.device,  # a copy: diffusers writes the chat-templated prompts into the list do_classifier_free_guidance=self.guidance > 0,
-            max_sequence_length=self.max_sequence_length)
+        # lists of unpadded (T_i, D), from the second-to-last layer; a copy of the prompts, as diffusers writes the
+        # chat-templated ones into the list it is given
+        embeds, negative = self.pipe.encode_prompt(list(prompts), device=self.device,
+                                                   do_classifier_free_guidance=self.guidance > 0,
+                                                   max_sequence_length=self.max_sequence_length)
         cond = {"prompt_embeds": torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True),  # (B, T, D)
                 "lengths": torch.tensor([len(e) for e in embeds])}  # (B,)
         if negative:
@@ -254,6 +261,75 @@ class ZImageAdapter(Adapter):
         return v
 
 
-ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter}
+class Flux2KleinAdapter(Adapter):
+    """FLUX.2 [klein] (4B / 9B; a Qwen3 text encoder whose layers at a quarter, half and three quarters of its depth
+    are concatenated per token). Latents are the VAE's 2x2 patches, normalised by its batch-norm statistics and
+    flattened to tokens (B, L, 4C), with 4-axis positions; the transformer takes sigma (x1000 inside). The distilled
+    klein samples without guidance; `guidance` > 0 runs CFG against the empty caption, as its base models do."""
+    from diffusers import Flux2KleinPipeline as pipeline_class
+    # regular expressions: in the single-stream blocks `attn.to_out` is a Linear, in the double-stream ones a list
+    lora_targets = (r".*(transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
+                    r"to_add_out)|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out))",
+                    r".*transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)")
+
+    def __init__(self, pipe, device, dtype, guidance: float = 0.0, max_sequence_length: int = 512,
+                 offload_text_encoders: bool = False, place_transformer: bool = True, **options):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
+        self.guidance, self.max_sequence_length = guidance, max_sequence_length
+        self.forwards_per_velocity = 2 if guidance > 0 else 1
+        depth = pipe.text_encoder.config.num_hidden_layers  # 36 in klein 4B and 9B: layers (9, 18, 27)
+        self.text_layers = tuple(depth * k // 4 for k in (1, 2, 3))
+
+    def encode_prompts(self, prompts):
+        def encode(texts):  # (B, T, 3 D) and the text positions (T, 4), shared by every prompt
+            embeds, ids = self.pipe.encode_prompt(list(texts), device=self.device,
+                                                  text_encoder_out_layers=self.text_layers,
+                                                  max_sequence_length=self.max_sequence_length)
+            return embeds, ids[0]
+
+        embeds, text_ids = encode(prompts)
+        cond = {"prompt_embeds": embeds, "text_ids": text_ids}
+        if self.guidance > 0:
+            cond["negative_embeds"] = encode([""] * len(prompts))[0]
+        return cond
+
+    def noise(self, generators, resolution):
+        """Standard normal latents drawn as the VAE's 2x2 patches (4C, h/2, w/2), flattened to (B, L, 4C)."""
+        side = resolution // (self.pipe.vae_scale_factor * 2)
+        shape = (self.transformer.config.in_channels, side, side)
+        latents = torch.stack([torch.randn(shape, generator=g) for g in generators])  # (B, 4C, h/2, w/2)
+        return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; guided when `guidance` > 0."""
+        M, side = latents.shape[0], resolution // (self.pipe.vae_scale_factor * 2)
+        image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, side, side))[0]  # (L, 4)
+        embeds, sigma = cond["prompt_embeds"][prompt_index], sigma.to(self.device)
+        if self.guidance > 0:
+            embeds, latents, sigma = (torch.cat([cond["negative_embeds"][prompt_index], embeds]),
+                                      torch.cat([latents, latents]), torch.cat([sigma, sigma]))
+        embeds, = self.kernels.text_inputs(embeds)
+        with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
+            out = transformer(hidden_states=latents, encoder_hidden_states=embeds, timestep=sigma,  # x1000 inside
+                              img_ids=image_ids, txt_ids=cond["text_ids"], guidance=None, return_dict=False)[0]
+        out = out.float()
+        if self.guidance > 0:
+            uncond, text = out.chunk(2)
+            return uncond + self.guidance * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents, resolution):
+        """Tokens (M, L, 4C) -> images (M, 3, H, W) in [0, 1]: undo the batch-norm normalisation, unpatchify, decode."""
+        vae, side = self.pipe.vae, resolution // (self.pipe.vae_scale_factor * 2)
+        z = latents.transpose(1, 2).reshape(latents.shape[0], -1, side, side).to(self.device, vae.dtype)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        images = vae.decode(self.pipe._unpatchify_latents(z * std + mean), return_dict=False)[0]
+        return ((images.float() + 1) / 2).clamp(0, 1)
+
+
+ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter,
+            "flux2": Flux2KleinAdapter}
 # image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
-RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16}
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16}

@@ -314,7 +314,7 @@ class Run:
 
     # ---- sample grids and the closing summary ----
     def save_grid(self, images, iteration, eval_prompts, captions):
-        """The evaluation's samples: a grid in samples/ and, with a tracker, the images captioned with prompt and seed."""
+        """The evaluation's samples: a grid in samples/ and, with a tracker, the images captioned (prompt, seed)."""
         if not self.master:
             return
         from torchvision.utils import save_image
@@ -380,7 +380,8 @@ class Tracker:
             self.run = wandb.init(project=args.tracker_project, name=name, id=run_id, resume="allow", dir=out,
                                   config=config)
             where = self.run.url or os.path.relpath(self.run.dir, os.getcwd())
-            log(f"wandb: run {name} ({run_id}), {'watch at ' + where if self.run.url else 'offline, files in ' + where}")
+            where = f"watch at {where}" if self.run.url else f"offline, files in {where}"
+            log(f"wandb: run {name} ({run_id}), {where}")
 
     def scalars(self, metrics: dict, iteration: int):
         if self.kind == "tensorboard":

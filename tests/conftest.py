@@ -41,41 +41,87 @@ def build_sd3_pipeline(seed=0):
         tokenizer_3=t5_tok)
 
 
-def build_zimage_pipeline(seed=0):
-    """A randomly initialised tiny ZImagePipeline: a Qwen3 text encoder with a word-level tokenizer that carries a
-    chat template (the pipeline wraps each prompt in one), the single-stream transformer, a small VAE."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+def build_chat_tokenizer():
+    """A word-level tokenizer over the tiny world's words with a chat template (Qwen3-style pipelines wrap each
+    prompt in one), built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+    from transformers import PreTrainedTokenizerFast
 
     import tiny
 
-    torch.manual_seed(seed)
-    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "\n", *sorted(set(tiny.WORDS))]
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "\n",
+             *sorted(set(tiny.WORDS))]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
                                                      pre_tokenizers.WhitespaceSplit()])
     template = ("{% for m in messages %}<|im_start|> {{ m['role'] }}\n{{ m['content'] }} <|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|> assistant\n{% endif %}")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
-                                        eos_token="<|im_end|>", chat_template=template, model_max_length=32)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   eos_token="<|im_end|>", chat_template=template, model_max_length=32)
+
+
+def _tiny_vae(vae_class=None, **scaling):
+    from diffusers import AutoencoderKL
+
+    return (vae_class or AutoencoderKL)(
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[16, 16], layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        mid_block_add_attention=False, **scaling)
+
+
+def build_zimage_pipeline(seed=0):
+    """A randomly initialised tiny ZImagePipeline: a Qwen3 text encoder, the single-stream transformer, a small VAE."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    tokenizer = build_chat_tokenizer()
     text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                           head_dim=16, max_position_embeddings=64))
     transformer = ZImageTransformer2DModel(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4,
                                            n_kv_heads=4, cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32])
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 16], layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
-                        mid_block_add_attention=False, shift_factor=0.1, scaling_factor=0.5)
+    vae = _tiny_vae(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1, scaling_factor=0.5)
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
                           tokenizer=tokenizer, transformer=transformer)
+
+
+def build_flux2_pipeline(seed=0, distilled=True):
+    """A randomly initialised tiny Flux2KleinPipeline: a 4-layer Qwen3 (its layers 1, 2, 3 concatenated), the
+    double- and single-stream transformer, a small VAE with its batch-norm statistics."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = build_chat_tokenizer()
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16, max_position_embeddings=64, tie_word_embeddings=True))
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                          guidance_embeds=False)
+    vae = _tiny_vae(AutoencoderKLFlux2, sample_size=32)
+    with torch.no_grad():  # statistics as a trained VAE has them, so the tests see the normalisation undone
+        vae.bn.running_mean.uniform_(-0.5, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=distilled)
 
 
 @pytest.fixture(scope="session")
 def zimage_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("zimage") / "pipeline")
     build_zimage_pipeline().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def flux2_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("flux2") / "pipeline")
+    build_flux2_pipeline().save_pretrained(path)
     return path
 
 

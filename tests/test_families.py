@@ -1,0 +1,114 @@
+"""The newer image families, Z-Image and FLUX.2 klein, each on a tiny real pipeline (random weights, built offline,
+loaded with from_pretrained): the adapter's sampling and decoding against the stock pipeline's, with and without
+guidance; the fast rollout against the paper's loop; train.py end to end, LoRA and full; the trained weights in the
+stock pipeline (LoRA with load_lora_weights); a wrong resolution refused before loading.
+
+Run: python -m pytest -q tests/test_families.py
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import QUICK, run_train
+from models import ADAPTERS
+from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
+
+PROMPTS = ["a red circle on the left", "two blue squares"]
+FAMILIES = ["zimage", "flux2"]
+
+
+def stock_shift(family, steps):
+    """The time shift the stock pipeline applies at 32² (64 tokens): Z-Image's fixed 3, FLUX.2's exp(mu)."""
+    if family == "zimage":
+        return 3.0
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    return math.exp(compute_empirical_mu(64, steps))
+
+
+def load(family, path, guidance):
+    return ADAPTERS[family].load(path, "cpu", torch.float32, guidance=guidance, max_sequence_length=32)
+
+
+@pytest.fixture
+def family_path(request, zimage_path, flux2_path, tmp_path):
+    family, guidance = request.param
+    if family == "flux2" and guidance:  # CFG belongs to the klein base models (not distilled)
+        from conftest import build_flux2_pipeline
+
+        path = str(tmp_path / "flux2_base")
+        build_flux2_pipeline(distilled=False).save_pretrained(path)
+        return family, guidance, path
+    return family, guidance, {"zimage": zimage_path, "flux2": flux2_path}[family]
+
+
+@pytest.mark.parametrize("family_path", [(f, g) for f in FAMILIES for g in (0.0, 2.0)], indirect=True,
+                         ids=lambda p: f"{p[0]}-guidance{p[1]:g}")
+def test_the_adapter_samples_as_the_stock_pipeline(family_path):
+    family, guidance, path = family_path
+    adapter = load(family, path, guidance)
+    assert adapter.forwards_per_velocity == (2 if guidance else 1)
+    noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(2)], 32)
+    cond = adapter.encode(PROMPTS)
+    velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, 32)
+    ours, _, _ = ode_sample(velocity, noise, sigma_schedule(3, stock_shift(family, 3)), max_batch=8,
+                            keep_trajectory=False)
+    options = {}
+    if family == "flux2":  # the stock pipeline takes the noise as 2x2 patches (B, 4C, h/2, w/2)
+        noise = noise.transpose(1, 2).reshape(2, -1, 8, 8)
+        options = dict(text_encoder_out_layers=adapter.text_layers)  # (1, 2, 3) of the tiny 4-layer Qwen3
+    stock = adapter.pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=3, guidance_scale=guidance,
+                         latents=noise.clone(), max_sequence_length=32, output_type="pt", **options).images
+    torch.testing.assert_close(adapter.decode(ours, 32), stock, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path):
+    adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path}[family], 0.0)
+    cond = adapter.encode(PROMPTS)
+    velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, 32)
+    sigmas, kw = sigma_schedule(4, 3.0), dict(group_size=3, sde_steps=[0, 1], granularities=[1, 2], eta=0.7)
+    gens = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
+    noise = adapter.noise(gens(), 32)
+    fast = rollout_g2rpo(velocity, noise, sigmas, gens(), **kw, max_batch=64)
+    paper = rollout_g2rpo_reference(velocity, noise, sigmas, gens(), **kw)
+    torch.testing.assert_close(fast.final_latents, paper.final_latents, atol=1e-4, rtol=1e-4)
+    assert fast.nfe < paper.nfe
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("lora", [0, 4])
+def test_two_iterations_and_the_weights_in_the_stock_pipeline(family, lora, zimage_path, flux2_path, tmp_path):
+    path, out = {"zimage": zimage_path, "flux2": flux2_path}[family], str(tmp_path / "run")
+    run_train(["--model", family, "--model-path", path, "--output-dir", out, "--num-iterations", "2",
+               "--lora-rank", str(lora), "--lr", "1e-2", "--eval-every", "2", "--checkpoint-every", "2", *QUICK,
+               *(["--lora-feed-forward"] if lora else [])])
+    folder = os.path.join(out, "checkpoints", "iter_000002")
+    adapter = load(family, path, 0.0)
+    pipe, options = adapter.pipe, dict(text_encoder_out_layers=(1, 2, 3)) if family == "flux2" else {}
+    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=32, num_inference_steps=2, guidance_scale=0.0,
+                          generator=torch.Generator().manual_seed(0), max_sequence_length=32, output_type="pt",
+                          **options).images
+    before = sample()
+    if lora:
+        pipe.load_lora_weights(os.path.join(folder, "lora"))
+        names = [n for n, _ in pipe.transformer.named_modules() if n.endswith("lora_A")]
+        # every attention projection and feed-forward layer carries LoRA: single-stream blocks too (FLUX.2)
+        assert any(".w1." in n or ".ff." in n for n in names) and any("attention" in n or "attn" in n for n in names)
+        if family == "flux2":
+            assert any(n.startswith("single_transformer_blocks") for n in names)
+    else:
+        pipe.transformer = type(pipe.transformer).from_pretrained(os.path.join(folder, "transformer"))
+    after = sample()
+    assert after.shape == (1, 3, 32, 32) and torch.isfinite(after).all()
+    assert (after - before).abs().max() > 1e-4  # the trained weights changed what it draws
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_wrong_resolution_is_refused_before_loading(family):
+    proc = run_train(["--model", family, "--model-path", f"/nonexistent/{family}", *QUICK, "--resolution", "40"],
+                     check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("error: --resolution 40 is not a multiple of 16 (VAE "
+                                                            "factor x 2x2 patches); use e.g. 32")
