@@ -48,6 +48,7 @@ EVAL_DEFAULTS = {
     "sd3": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "zimage": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "flux2": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "wan": dict(seeds=1, batch_size=2, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "tiny": dict(batch_size=64, metrics=["shapes"]),
 }
 
@@ -59,15 +60,15 @@ def family_defaults(model: str) -> dict:
             **EVAL_DEFAULTS[model]}
 
 
-SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length"]
+SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length", "num_frames"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
 EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
 
 
 @dataclass
 class BaseArgs:
-    model: Optional[Literal["flux", "sd3", "zimage", "flux2", "tiny"]] = None
-    """Model family (default: the checkpoint run's). flux, sd3, zimage, flux2, or tiny (the built-in CPU model)."""
+    model: Optional[Literal["flux", "sd3", "zimage", "flux2", "wan", "tiny"]] = None
+    """Model family (default: the checkpoint run's). flux, sd3, zimage, flux2, wan, or tiny (the built-in CPU model)."""
     model_path: Optional[str] = None
     """The base diffusers pipeline: a folder or hub id (default: the checkpoint run's, else the family's)."""
     checkpoint: list[str] = field(default_factory=list)
@@ -91,6 +92,8 @@ class BaseArgs:
     """FLUX guidance embedding / SD3 CFG scale (default: the checkpoint run's)."""
     resolution: Optional[int] = None
     """Image side in pixels (default: the checkpoint run's)."""
+    num_frames: Optional[int] = None
+    """Video models: frames per sample (default: the checkpoint run's). Grids show a strip of frames per sample."""
     max_sequence_length: Optional[int] = None
     """T5 tokens per prompt (default: the checkpoint run's)."""
     batch_size: Optional[int] = None
@@ -169,7 +172,8 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
     else the model family's preset."""
     model = args.model or config.get("model") or fallback.get("model")
     if model is None:
-        fail("no model: pass --model flux|sd3|tiny, or a --checkpoint whose run folder holds config.json")
+        fail("no model: pass --model flux|sd3|zimage|flux2|wan|tiny, or a --checkpoint whose run folder holds "
+             "config.json")
     out = {"model": model}
     for key in SETTINGS[1:]:
         flag = getattr(args, key)
@@ -263,7 +267,8 @@ def load_base(settings: dict, args, device, dtype, config: dict):
     try:
         return models.ADAPTERS[settings["model"]].load(
             path, device, dtype, transformer_dtype=dtype, guidance=settings["guidance"],
-            max_sequence_length=settings["max_sequence_length"], offload_text_encoders=args.offload_text_encoders)
+            max_sequence_length=settings["max_sequence_length"], offload_text_encoders=args.offload_text_encoders,
+            **({"num_frames": settings["num_frames"]} if settings["model"] == "wan" else {}))
     except models.ModelLoadError as err:
         fail(str(err))
 
@@ -475,6 +480,8 @@ def score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank
     the grid's images. Returns (per-model results, per-model grid images) on rank 0, ([], []) elsewhere."""
     from tqdm import tqdm
 
+    from models import frame_strips
+
     mine = list(range(rank, len(items), world))  # this rank's item indices
     bar = tqdm(total=len(rows) * -(-len(mine) // args.batch_size), disable=rank != 0, desc="evaluate",
                dynamic_ncols=True)
@@ -484,7 +491,7 @@ def score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank
         grid = {}
 
         def keep(start, images, row=row, grid=grid):
-            for offset, image in enumerate(images):
+            for offset, image in enumerate(frame_strips(images)):  # a video: a strip of its frames
                 index = mine[start + offset]
                 if index in grid_items:
                     grid[index] = (image.cpu() * 255).round().byte()  # (3, H, W) uint8: small to gather

@@ -26,14 +26,14 @@ from sampler import granular_schedule, sigma_schedule
 @dataclass
 class TrainArgs:
     # --- model ---
-    model: Literal["flux", "sd3", "zimage", "flux2", "tiny"] = "flux"
+    model: Literal["flux", "sd3", "zimage", "flux2", "wan", "tiny"] = "flux"
     """Model family and preset of defaults: flux (FLUX.1, the paper's), sd3 (SD3 / SD3.5, CFG), zimage (Z-Image-Turbo),
-    flux2 (FLUX.2 klein 4B), tiny (built-in, CPU)."""
+    flux2 (FLUX.2 klein 4B), wan (Wan 2.1 text-to-video 1.3B, CFG), tiny (built-in, CPU)."""
     model_path: str = "black-forest-labs/FLUX.1-dev"
     """A diffusers pipeline folder or hub id. Ignored by --model tiny, which builds its own."""
     guidance: float = 3.5
-    """FLUX: the guidance embedding value (reference 3.5). SD3, Z-Image, FLUX.2: the classifier-free guidance scale
-    (SD3.5 typ. 4.5; Z-Image-Turbo and FLUX.2 klein 0, no guidance; the klein base models 4)."""
+    """FLUX: the guidance embedding value (reference 3.5). SD3, Z-Image, FLUX.2, Wan: the classifier-free guidance
+    scale (SD3.5 typ. 4.5; Z-Image-Turbo and FLUX.2 klein 0, no guidance; the klein base models 4; Wan 5, > 1 on)."""
     max_sequence_length: int = 512
     """T5 tokens per prompt (FLUX max 512, SD3 max 256); longer prompts are truncated with a warning."""
     lora_rank: int = 0
@@ -74,6 +74,10 @@ class TrainArgs:
     # --- rollout ---
     resolution: int = 720
     """Image side in pixels (reference 720; a multiple of 16 for FLUX and SD3, of 4 for tiny)."""
+    num_frames: int = 1
+    """Video models (--model wan): frames per sample, 4k + 1 (the VAE packs 4 frames a latent frame). Images: 1."""
+    reward_frames: int = 1
+    """Video models: the rewards score every this-many-th frame and average (an image reward per frame)."""
     num_steps: int = 16
     """N, sampling steps of the rollout (reference 16)."""
     shift: float = 3.0
@@ -173,6 +177,10 @@ PRESETS = {
     "flux2": dict(model_path="black-forest-labs/FLUX.2-klein-4B", guidance=0.0, max_sequence_length=512,
                   resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], granularities=[1, 2], lora_rank=32,
                   lr=1e-4, output_dir="runs/flux2"),
+    # Wan 2.1 T2V 1.3B as its card samples it (81 frames, 50 steps, flow shift 3, guidance 5), but square: the card's
+    # 832x480 needs non-square sizes, which this project does not have yet. Rewards score every 4th frame.
+    "wan": dict(model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, max_sequence_length=512, resolution=480,
+                num_frames=81, reward_frames=4, num_steps=50, shift=3.0, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
     # fp32 on every device (deviation 12): bf16 costs this small model a tenth of its held-out reward
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
@@ -222,6 +230,7 @@ def above(low, note=""):
 RULES = {
     "guidance": at_least(0), "max_sequence_length": at_least(1), "lora_rank": at_least(0, " (0 = full fine-tune)"),
     "lora_alpha": at_least(0, " (0 = the rank)"), "resolution": at_least(4), "num_steps": at_least(1),
+    "num_frames": at_least(1), "reward_frames": at_least(1, " (1 = every frame)"),
     "shift": above(0, " (reference 3)"), "eta": above(0, ": the SDE step needs eta > 0 (typ. 0.7)"),
     "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
     "prompts_per_iteration": at_least(0, " (0 = one per rank)"), "max_batch": at_least(1),
@@ -266,6 +275,11 @@ def check_flags(args, world: int, log=print):
         fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
     if args.window_size > args.num_steps:
         fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
+    if args.model == "wan" and (args.num_frames < 1 or (args.num_frames - 1) % 4):
+        fail(f"--num-frames {args.num_frames}: Wan takes 4k + 1 frames (the VAE packs 4 frames a latent frame); "
+             f"use e.g. {max(1, (args.num_frames - 1) // 4 * 4 + 1)}")
+    if args.model != "wan" and args.num_frames != 1:
+        fail(f"--num-frames {args.num_frames} is for video models (--model wan); --model {args.model} makes images")
     multiple = RESOLUTION_MULTIPLE[args.model]
     if args.resolution % multiple:
         fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "

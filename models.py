@@ -14,6 +14,7 @@ see only latents, sigmas and prompt indices, so they do not know which model the
       time 1 - sigma and predicts -v. Z-Image-Turbo needs no guidance; with `guidance` > 0, CFG as SD3.
   FLUX.2 [klein] (`Flux2KleinAdapter`): the VAE's 2x2 patches as tokens (B, L, 4C), normalised by its batch-norm
       statistics; no guidance in the distilled models, CFG with `guidance` > 0 (the base models).
+  Wan 2.1 / 2.2 (`WanAdapter`): video latents (B, C, F', h, w); CFG as SD3; decodes to videos (M, 3, F, H, W).
 
 Shapes: n samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
 
@@ -329,7 +330,67 @@ class Flux2KleinAdapter(Adapter):
         return ((images.float() + 1) / 2).clamp(0, 1)
 
 
+class WanAdapter(Adapter):
+    """Wan 2.1 / 2.2 text-to-video (UMT5 text encoder). Latents are videos (B, C, F', h, w), F' = (F - 1) / 4 + 1
+    latent frames for F frames; the transformer takes t = 1000 sigma. Classifier-free guidance against the empty
+    caption when `guidance` > 1, as the pipeline does, at 2 image-forwards per velocity. Decoded samples are videos
+    (M, 3, F, H, W); the rewards score their frames (rewards.over_frames)."""
+    from diffusers import WanPipeline as pipeline_class
+    lora_targets = (LORA_ATTENTION[:4], ["ffn.net.0.proj", "ffn.net.2"])  # attn1 (self) and attn2 (text) share names
+
+    def __init__(self, pipe, device, dtype, guidance: float = 5.0, max_sequence_length: int = 512, num_frames: int = 81,
+                 offload_text_encoders: bool = False, place_transformer: bool = True, **options):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
+        self.guidance, self.max_sequence_length, self.num_frames = guidance, max_sequence_length, num_frames
+        self.forwards_per_velocity = 2 if guidance > 1 else 1
+
+    def encode_prompts(self, prompts):
+        embeds, negative = self.pipe.encode_prompt(list(prompts), negative_prompt="", device=self.device,
+                                                   do_classifier_free_guidance=self.guidance > 1,
+                                                   max_sequence_length=self.max_sequence_length)  # (B, T, D) each
+        return {"prompt_embeds": embeds, **({"negative_embeds": negative} if negative is not None else {})}
+
+    def noise(self, generators, resolution):
+        vae = self.pipe.vae.config
+        frames = (self.num_frames - 1) // vae.scale_factor_temporal + 1
+        shape = (self.transformer.config.in_channels, frames, *(2 * [resolution // vae.scale_factor_spatial]))
+        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, F', h, w)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """latents (M, C, F', h, w) -> (M, C, F', h, w) float32; guided v_u + w (v_c - v_u) when `guidance` > 1."""
+        embeds, t = cond["prompt_embeds"][prompt_index], sigma.to(self.device) * 1000  # Wan takes t = 1000 sigma
+        if self.guidance > 1:
+            embeds = torch.cat([cond["negative_embeds"][prompt_index], embeds])
+            latents, t = torch.cat([latents, latents]), torch.cat([t, t])
+        embeds, = self.kernels.text_inputs(embeds)
+        with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
+            out = transformer(hidden_states=latents, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+        out = out.float()
+        if self.guidance > 1:
+            uncond, text = out.chunk(2)
+            return uncond + self.guidance * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents, resolution):
+        """latents (M, C, F', h, w) -> videos (M, 3, F, H, W) in [0, 1]: undo the per-channel normalisation, decode."""
+        vae = self.pipe.vae
+        mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
+        video = vae.decode((latents.to(self.device) * std + mean).to(vae.dtype), return_dict=False)[0]
+        return ((video.float() + 1) / 2).clamp(0, 1)
+
+
+def frame_strips(videos, count: int = 4):
+    """Videos (N, 3, F, H, W) -> images (N, 3, H, count W): `count` frames spread over each video, side by side (the
+    sample grids of a video model); images (N, 3, H, W) pass through."""
+    if videos.ndim == 4:
+        return videos
+    frames = torch.linspace(0, videos.shape[2] - 1, min(count, videos.shape[2])).round().long()
+    return torch.cat(list(videos[:, :, frames].unbind(2)), dim=-1)
+
+
 ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter,
-            "flux2": Flux2KleinAdapter}
+            "flux2": Flux2KleinAdapter, "wan": WanAdapter}
 # image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
-RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16}
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16, "wan": 16}

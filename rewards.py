@@ -81,6 +81,24 @@ def _load_state_dict(path: str):
     return state.get("state_dict", state) if isinstance(state, dict) else state
 
 
+def over_frames(fn, every: int = 1):
+    """An image reward that also scores videos (N, 3, F, H, W): the mean over every `every`-th frame (this project's
+    choice; a video-native reward would also see motion and consistency across frames). Images pass through, and a
+    strict pass (`success`) carries over."""
+
+    def reward(images, prompts):
+        if images.ndim == 4:
+            return fn(images, prompts)
+        frames = images[:, :, ::every]  # (N, 3, F_k, H, W)
+        N, F = frames.shape[0], frames.shape[2]
+        flat = frames.transpose(1, 2).flatten(0, 1)  # (N F_k, 3, H, W)
+        return fn(flat, [p for p in prompts for _ in range(F)]).view(N, F).mean(1)
+
+    if hasattr(fn, "success"):
+        reward.success = over_frames(fn.success, every)
+    return reward
+
+
 def _batched(fn, batch_size):
     """Run `fn(images, prompts)` in inference mode on micro-batches of at most `batch_size` images."""
 
@@ -431,8 +449,9 @@ def parse_rewards(specs) -> dict[str, float]:
     return out
 
 
-def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=None):
-    """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32.
+def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=None, frames_every=1):
+    """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32; videos (N, 3, F, H, W)
+    score the mean over every `frames_every`-th frame (`over_frames`).
 
     `paths` maps path fields to values; a field it lacks takes the registry's default. Extra fields are ignored,
     so a CLI may pass every path field it has."""
@@ -440,4 +459,4 @@ def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=No
         raise _unknown(name)
     entry = REWARDS[name]
     resolved = {key: default for key, (default, _) in entry.paths.items()} | (paths or {})
-    return entry.factory(torch.device(device), dtype, batch_size, resolved)
+    return over_frames(entry.factory(torch.device(device), dtype, batch_size, resolved), frames_every)

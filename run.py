@@ -319,12 +319,17 @@ class Run:
             return
         from torchvision.utils import save_image
 
+        from models import frame_strips
+
         os.makedirs(os.path.join(self.out, "samples"), exist_ok=True)
         n = min(len(images), 2 * eval_prompts, 24)
-        save_image(images[:n], os.path.join(self.out, "samples", f"eval_iter_{iteration:06d}.png"), nrow=min(n, 12),
-                   padding=1)
+        name = os.path.join(self.out, "samples", f"eval_iter_{iteration:06d}")
+        shown = frame_strips(images[:n])  # a video model's samples: a strip of frames each
+        save_image(shown, name + ".png", nrow=min(n, 12 if shown is images[:n] else 3), padding=1)
+        if images.ndim == 5:  # and one animated grid of them
+            save_gif(images[:n], name + ".gif", nrow=min(n, 6))
         if self.tracker is not None:
-            self.tracker.images(images[:n], captions[:n], iteration)
+            self.tracker.images(shown, captions[:n], iteration)
 
     def summary(self, before: dict, after: dict, reward_names):
         parts = []
@@ -347,6 +352,16 @@ class Run:
             grid.paste(bottom, (0, top.height + 4))
             grid.save(os.path.join(samples, "before_after.png"))
             self.log(f"before (top) / after (bottom) samples: {os.path.join(samples, 'before_after.png')}")
+
+
+def save_gif(videos, path: str, nrow: int, fps: int = 8):
+    """Videos (N, 3, F, H, W) in [0, 1] as one animated GIF of their grid (PIL writes it)."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+
+    frames = [Image.fromarray((make_grid(videos[:, :, t], nrow=nrow, padding=1).permute(1, 2, 0) * 255).round()
+                              .byte().numpy()) for t in range(videos.shape[2])]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=1000 // fps, loop=0)
 
 
 class Tracker:

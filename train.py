@@ -73,12 +73,14 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
             offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
             rollout_attention_backend=args.rollout_attention_backend, compile=args.compile,
             # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
-            transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full))
+            transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full),
+            **({"num_frames": args.num_frames} if args.model == "wan" else {}))
     except ModelLoadError as err:
         fail(str(err))
     policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
     try:
-        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args))
+        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
+                                                            frames_every=args.reward_frames)
                                   for name in reward_weights})
     except rewards.RewardError as err:
         fail(str(err))

@@ -111,6 +111,35 @@ def build_flux2_pipeline(seed=0, distilled=True):
                               transformer=transformer, is_distilled=distilled)
 
 
+def build_wan_pipeline(seed=0):
+    """A randomly initialised tiny WanPipeline (Wan 2.1 layout): UMT5, the video transformer, a video VAE that
+    packs 4 frames and 8x8 pixels into a latent."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    import tiny
+
+    torch.manual_seed(seed)
+    tokenizer = tiny.build_tokenizers()[1]
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                               eos_token_id=1, decoder_start_token_id=0))
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32,
+                                        num_layers=2, rope_max_seq_len=32)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+@pytest.fixture(scope="session")
+def wan_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("wan") / "pipeline")
+    build_wan_pipeline().save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def zimage_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("zimage") / "pipeline")

@@ -1,10 +1,12 @@
-"""The newer image families, Z-Image and FLUX.2 klein, each on a tiny real pipeline (random weights, built offline,
-loaded with from_pretrained): the adapter's sampling and decoding against the stock pipeline's, with and without
-guidance; the fast rollout against the paper's loop; train.py end to end, LoRA and full; the trained weights in the
-stock pipeline (LoRA with load_lora_weights); a wrong resolution refused before loading.
+"""The newer families, Z-Image and FLUX.2 klein (images) and Wan (video), each on a tiny real pipeline (random
+weights, built offline, loaded with from_pretrained): the image adapters' sampling and decoding against the stock
+pipeline's, with and without guidance; the fast rollout against the paper's loop; train.py end to end, LoRA and
+full; the trained weights in the stock pipeline (LoRA with load_lora_weights); image rewards over a video's frames,
+video sample grids; bad input (a wrong resolution or frame count) refused before loading.
 
 Run: python -m pytest -q tests/test_families.py
 """
+import json
 import math
 import os
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from conftest import QUICK, run_train
-from models import ADAPTERS
+from models import ADAPTERS, WanAdapter
 from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
 
 PROMPTS = ["a red circle on the left", "two blue squares"]
@@ -64,9 +66,13 @@ def test_the_adapter_samples_as_the_stock_pipeline(family_path):
     torch.testing.assert_close(adapter.decode(ours, 32), stock, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path):
-    adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path}[family], 0.0)
+@pytest.mark.parametrize("family", [*FAMILIES, "wan"])
+def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, wan_path):
+    if family == "wan":  # with its guidance: two image-forwards a velocity
+        adapter = WanAdapter.load(wan_path, "cpu", torch.float32, guidance=5.0, max_sequence_length=16, num_frames=5)
+        assert adapter.forwards_per_velocity == 2 and adapter.noise([torch.Generator()], 32).shape == (1, 16, 2, 4, 4)
+    else:
+        adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path}[family], 0.0)
     cond = adapter.encode(PROMPTS)
     velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, 32)
     sigmas, kw = sigma_schedule(4, 3.0), dict(group_size=3, sde_steps=[0, 1], granularities=[1, 2], eta=0.7)
@@ -112,3 +118,63 @@ def test_a_wrong_resolution_is_refused_before_loading(family):
                      check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == ("error: --resolution 40 is not a multiple of 16 (VAE "
                                                             "factor x 2x2 patches); use e.g. 32")
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(lora, wan_path, tmp_path):
+    from diffusers import WanPipeline
+
+    out = str(tmp_path / "run")
+    proc = run_train(["--model", "wan", "--model-path", wan_path, "--output-dir", out, "--num-iterations", "2",
+                      "--lora-rank", str(lora), "--lr", "1e-2", "--eval-every", "2", "--checkpoint-every", "2", *QUICK,
+                      "--num-frames", "5", "--reward-frames", "2", "--guidance", "5.0"])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["iteration"] for r in rows] == [0, 1, 2] and 0 <= rows[2]["eval/reward/shapes"] <= 1
+    samples = os.path.join(out, "samples")
+    assert os.path.exists(os.path.join(samples, "eval_iter_000002.gif"))  # the videos, animated
+    from PIL import Image
+
+    assert Image.open(os.path.join(samples, "eval_iter_000002.gif")).n_frames == 5
+    assert Image.open(os.path.join(samples, "eval_iter_000002.png")).width > 4 * 32  # a strip of frames a sample
+    assert "held-out eval reward" in proc.stdout
+    pipe = WanPipeline.from_pretrained(wan_path)
+    pipe.set_progress_bar_config(disable=True)
+    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=32, num_frames=5, num_inference_steps=2,
+                          guidance_scale=5.0, generator=torch.Generator().manual_seed(0), max_sequence_length=16,
+                          output_type="pt").frames
+    before = sample()
+    folder = os.path.join(out, "checkpoints", "iter_000002")
+    if lora:
+        pipe.load_lora_weights(os.path.join(folder, "lora"))
+    else:
+        pipe.transformer = type(pipe.transformer).from_pretrained(os.path.join(folder, "transformer"))
+    after = sample()
+    assert after.shape == before.shape and torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
+
+
+def test_an_image_reward_scores_a_video_as_the_mean_over_its_frames():
+    import tiny
+    from rewards import load_reward
+
+    prompts = ["a red circle on the left", "a blue square on the top"]
+    frames = [tiny.render(prompts, torch.Generator().manual_seed(s)) for s in range(4)]  # 4 frames of 2 videos
+    frames[1][0] = 0.1  # an empty frame in the first video
+    video = torch.stack(frames, 2)  # (2, 3, 4, 32, 32)
+    per_frame = torch.stack([tiny.shape_reward(f, prompts) for f in frames], 1)  # (2, 4)
+    torch.testing.assert_close(load_reward("shapes")(video, prompts), per_frame.mean(1))
+    torch.testing.assert_close(load_reward("shapes", frames_every=2)(video, prompts), per_frame[:, ::2].mean(1))
+
+
+@pytest.mark.parametrize("frames, message", [
+    (["--num-frames", "6"], "--num-frames 6: Wan takes 4k + 1 frames"),
+    (["--num-frames", "5", "--resolution", "40"], "--resolution 40 is not a multiple of 16"),
+])
+def test_wan_bad_input_is_refused_in_one_line_before_loading(frames, message):
+    proc = run_train(["--model", "wan", "--model-path", "/nonexistent/wan", *QUICK, *frames], check=False)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_image_model_refuses_frames():
+    proc = run_train(["--model", "zimage", "--model-path", "/nonexistent/zimage", *QUICK, "--num-frames", "5"],
+                     check=False)
+    assert proc.returncode == 2 and "--num-frames 5 is for video models (--model wan)" in proc.stderr
