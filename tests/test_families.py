@@ -150,6 +150,13 @@ def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(lora, wa
         pipe.transformer = type(pipe.transformer).from_pretrained(os.path.join(folder, "transformer"))
     after = sample()
     assert after.shape == before.shape and torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
+    if lora:  # evaluate.py on the video run: base against trained, scored over frames, a strip a sample in the grid
+        import evaluate
+
+        evaluate.main(["--checkpoint", out, "--prompt-file", QUICK[QUICK.index("--eval-prompt-file") + 1],
+                       "--metrics", "shapes", "--num-prompts", "2", "--output-dir", str(tmp_path / "eval")])
+        assert Image.open(str(tmp_path / "eval" / "grid.png")).width > 2 * 4 * 32
+        assert len(json.load(open(str(tmp_path / "eval" / "results.json")))["rows"]) == 2
 
 
 def test_an_image_reward_scores_a_video_as_the_mean_over_its_frames():
