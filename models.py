@@ -132,6 +132,13 @@ class Adapter:
     def unpack(self, latents, resolution):
         return latents
 
+    @staticmethod
+    def guided(out, weight: float):
+        """Classifier-free guidance: `out` (2M, ...) holds the unconditional, then the conditional velocities;
+        returns v_u + weight (v_c - v_u), float32."""
+        uncond, text = out.float().chunk(2)
+        return uncond + weight * (text - uncond)
+
 
 class FluxAdapter(Adapter):
     from diffusers import FluxPipeline as pipeline_class
@@ -208,8 +215,7 @@ class SD3Adapter(Adapter):
             out = transformer(hidden_states=torch.cat([latents, latents]),
                               timestep=torch.cat([sigma, sigma]).to(self.device) * 1000,  # SD3 takes t = 1000 sigma
                               encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0]
-        uncond, text = out.float().chunk(2)
-        return uncond + self.guidance * (text - uncond)
+        return self.guided(out, self.guidance)
 
 
 class ZImageAdapter(Adapter):
@@ -245,21 +251,19 @@ class ZImageAdapter(Adapter):
         return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
-        """latents (M, C, h, w) -> (M, C, h, w) float32; guided v_c + w (v_c - v_u) when `guidance` > 0."""
+        """latents (M, C, h, w) -> (M, C, h, w) float32; guided when `guidance` > 0."""
         index = prompt_index.tolist()
         texts = [cond["prompt_embeds"][i, : cond["lengths"][i]] for i in index]  # M captions (T_i, D)
         x, t = list(latents.unsqueeze(2).unbind(0)), (1 - sigma).to(self.device)  # its time runs from noise (0)
-        if self.guidance > 0:
-            texts += [cond["negative_embeds"][i, : cond["negative_lengths"][i]] for i in index]
+        if self.guidance > 0:  # the empty caption first
+            texts = [cond["negative_embeds"][i, : cond["negative_lengths"][i]] for i in index] + texts
             x, t = x + x, torch.cat([t, t])
         texts = list(self.kernels.text_inputs(*texts))
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(x, t, texts, return_dict=False)[0]  # a list of (C, 1, h, w)
         v = -torch.stack(out).squeeze(2).float()  # the transformer predicts -v
-        if self.guidance > 0:
-            text, uncond = v.chunk(2)
-            return text + self.guidance * (text - uncond)
-        return v
+        # Z-Image's pipeline guides as v_c + w (v_c - v_u), which is weight 1 + w in the usual form
+        return self.guided(v, 1 + self.guidance) if self.guidance > 0 else v
 
 
 class Flux2KleinAdapter(Adapter):
@@ -313,11 +317,7 @@ class Flux2KleinAdapter(Adapter):
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(hidden_states=latents, encoder_hidden_states=embeds, timestep=sigma,  # x1000 inside
                               img_ids=image_ids, txt_ids=cond["text_ids"], guidance=None, return_dict=False)[0]
-        out = out.float()
-        if self.guidance > 0:
-            uncond, text = out.chunk(2)
-            return uncond + self.guidance * (text - uncond)
-        return out
+        return self.guided(out, self.guidance) if self.guidance > 0 else out.float()
 
     @torch.no_grad()
     def decode(self, latents, resolution):
@@ -365,11 +365,7 @@ class WanAdapter(Adapter):
         embeds, = self.kernels.text_inputs(embeds)
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(hidden_states=latents, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
-        out = out.float()
-        if self.guidance > 1:
-            uncond, text = out.chunk(2)
-            return uncond + self.guidance * (text - uncond)
-        return out
+        return self.guided(out, self.guidance) if self.guidance > 1 else out.float()
 
     @torch.no_grad()
     def decode(self, latents, resolution):

@@ -133,25 +133,25 @@ def build_wan_pipeline(seed=0):
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
+def _saved(factory, build):
+    path = str(factory.mktemp(build.__name__) / "pipeline")
+    build().save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def wan_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("wan") / "pipeline")
-    build_wan_pipeline().save_pretrained(path)
-    return path
+    return _saved(tmp_path_factory, build_wan_pipeline)
 
 
 @pytest.fixture(scope="session")
 def zimage_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("zimage") / "pipeline")
-    build_zimage_pipeline().save_pretrained(path)
-    return path
+    return _saved(tmp_path_factory, build_zimage_pipeline)
 
 
 @pytest.fixture(scope="session")
 def flux2_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("flux2") / "pipeline")
-    build_flux2_pipeline().save_pretrained(path)
-    return path
+    return _saved(tmp_path_factory, build_flux2_pipeline)
 
 
 @pytest.fixture(scope="session")
@@ -166,9 +166,7 @@ def flux_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sd3_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("sd3") / "pipeline")
-    build_sd3_pipeline().save_pretrained(path)
-    return path
+    return _saved(tmp_path_factory, build_sd3_pipeline)
 
 
 @pytest.fixture(scope="session")
