@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance", "max_sequence_length",
                "eta", "resolution", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
-               "window_every", "window_random", "kl_beta", "ema_decay", "ema_every"]
+               "window_every", "window_random", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames"]
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32

@@ -60,7 +60,8 @@ def family_defaults(model: str) -> dict:
             **EVAL_DEFAULTS[model]}
 
 
-SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length", "num_frames"]
+SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length", "num_frames",
+            "reward_frames"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
 EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
 
@@ -94,6 +95,8 @@ class BaseArgs:
     """Image side in pixels (default: the checkpoint run's)."""
     num_frames: Optional[int] = None
     """Video models: frames per sample (default: the checkpoint run's). Grids show a strip of frames per sample."""
+    reward_frames: Optional[int] = None
+    """Video models: the metrics score every this-many-th frame (default: the checkpoint run's, as in training)."""
     max_sequence_length: Optional[int] = None
     """T5 tokens per prompt (default: the checkpoint run's)."""
     batch_size: Optional[int] = None
@@ -189,6 +192,11 @@ def check_settings(s: dict, where: str):
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
     if s["resolution"] < multiple or s["resolution"] % multiple:
         fail(f"{where}: resolution {s['resolution']} is not a positive multiple of {multiple}")
+    video = s["model"] == "wan"
+    if (video and (s["num_frames"] < 1 or (s["num_frames"] - 1) % 4)) or (not video and s["num_frames"] != 1):
+        fail(f"{where}: num_frames {s['num_frames']}: Wan takes 4k + 1 frames, image models 1")
+    if s["reward_frames"] < 1:
+        fail(f"{where}: reward_frames {s['reward_frames']} must be >= 1 (1 = every frame)")
 
 
 def check_args(args):
@@ -451,7 +459,8 @@ def evaluate(args):
     dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
     paths = {name: getattr(args, name) for name, _, _ in rewards.path_fields()}
     try:  # the metrics first: a missing reward file must not cost a model load
-        metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths) for m in metrics}
+        metric_fns = {m: rewards.load_reward(m, device, dtype, args.reward_batch_size, paths,
+                                             frames_every=rows[0].settings["reward_frames"]) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
     adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
@@ -480,7 +489,7 @@ def score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank
     the grid's images. Returns (per-model results, per-model grid images) on rank 0, ([], []) elsewhere."""
     from tqdm import tqdm
 
-    from models import frame_strips
+    from run import frame_strips
 
     mine = list(range(rank, len(items), world))  # this rank's item indices
     bar = tqdm(total=len(rows) * -(-len(mine) // args.batch_size), disable=rank != 0, desc="evaluate",

@@ -1,9 +1,9 @@
-"""Model adapters: what the method files need from a diffusers text-to-image flow model, and nothing more.
+"""Model adapters: what the method files need from a diffusers text-to-image (or video) flow model, nothing more.
 
 An adapter loads a diffusers pipeline with `from_pretrained`, encodes prompts, draws initial noise in the model's
 latent layout, gives the velocity v(x, sigma | prompt) of the transformer being trained, and decodes latents to
-images in [0, 1]. `velocity` is the one place that calls a transformer. The method files (sampler.py, g2rpo.py)
-see only latents, sigmas and prompt indices, so they do not know which model they drive.
+images (or videos) in [0, 1]. `velocity` is the one place that calls a transformer. The method files (sampler.py,
+g2rpo.py) see only latents, sigmas and prompt indices, so they do not know which model they drive.
 
   FLUX.1 (`FluxAdapter`): latents packed into 2x2 patches (B, L, 4C) with diffusers' own helpers; the guidance
       value enters as an embedding (FLUX.1-dev, reference 3.5), no CFG. The built-in tiny model is a FLUX pipeline.
@@ -16,13 +16,15 @@ see only latents, sigmas and prompt indices, so they do not know which model the
       statistics; no guidance in the distilled models, CFG with `guidance` > 0 (the base models).
   Wan 2.1 / 2.2 (`WanAdapter`): video latents (B, C, F', h, w); CFG as SD3; decodes to videos (M, 3, F, H, W).
 
-Shapes: n samples in a call, B prompts, L packed image tokens, T text tokens, D text width.
+Shapes: M samples in a call, B prompts, L packed image tokens, T text tokens, D text width; videos: F frames,
+F' latent frames.
 
 How each call runs on the accelerator (autocast, the attention kernels of the phase, checkpointing, compilation,
 the gradient self-check) is `kernels.Kernels`, entered around the call as `with self.kernels():`.
 
 Deviations from the reference code (numbers of the README's list): 3 (sigma goes to the transformer exactly;
-diffusers' FLUX scales it by 1000 inside, SD3 takes t = 1000 sigma), 4 (VAE scaling from its config).
+diffusers' FLUX.1 and FLUX.2 scale it by 1000 inside, SD3 and Wan take t = 1000 sigma, Z-Image 1 - sigma),
+4 (VAE scaling from its config), 13 (a video's reward: the mean over its frames).
 """
 import os
 
@@ -270,7 +272,8 @@ class Flux2KleinAdapter(Adapter):
     """FLUX.2 [klein] (4B / 9B; a Qwen3 text encoder whose layers at a quarter, half and three quarters of its depth
     are concatenated per token). Latents are the VAE's 2x2 patches, normalised by its batch-norm statistics and
     flattened to tokens (B, L, 4C), with 4-axis positions; the transformer takes sigma (x1000 inside). The distilled
-    klein samples without guidance; `guidance` > 0 runs CFG against the empty caption, as its base models do."""
+    klein samples without guidance; for the base models `guidance` > 1 runs CFG against the empty caption, as the
+    pipeline does. LoRA on the attention reaches the single-stream blocks' fused attention + MLP projections."""
     from diffusers import Flux2KleinPipeline as pipeline_class
     # regular expressions: in the single-stream blocks `attn.to_out` is a Linear, in the double-stream ones a list
     lora_targets = (r".*(transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
@@ -281,7 +284,9 @@ class Flux2KleinAdapter(Adapter):
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
         super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
         self.guidance, self.max_sequence_length = guidance, max_sequence_length
-        self.forwards_per_velocity = 2 if guidance > 0 else 1
+        # CFG as the pipeline runs it: above 1, and never for the distilled models (it ignores guidance there)
+        self.cfg = guidance > 1 and not pipe.config.get("is_distilled", False)
+        self.forwards_per_velocity = 2 if self.cfg else 1
         depth = pipe.text_encoder.config.num_hidden_layers  # 36 in klein 4B and 9B: layers (9, 18, 27)
         self.text_layers = tuple(depth * k // 4 for k in (1, 2, 3))
 
@@ -294,7 +299,7 @@ class Flux2KleinAdapter(Adapter):
 
         embeds, text_ids = encode(prompts)
         cond = {"prompt_embeds": embeds, "text_ids": text_ids}
-        if self.guidance > 0:
+        if self.cfg:
             cond["negative_embeds"] = encode([""] * len(prompts))[0]
         return cond
 
@@ -306,18 +311,18 @@ class Flux2KleinAdapter(Adapter):
         return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
-        """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; guided when `guidance` > 0."""
-        M, side = latents.shape[0], resolution // (self.pipe.vae_scale_factor * 2)
-        image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, side, side))[0]  # (L, 4)
+        """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; guided with CFG (the base models)."""
+        side = resolution // (self.pipe.vae_scale_factor * 2)
+        image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, side, side))[0].to(self.device)  # (L, 4)
         embeds, sigma = cond["prompt_embeds"][prompt_index], sigma.to(self.device)
-        if self.guidance > 0:
+        if self.cfg:
             embeds, latents, sigma = (torch.cat([cond["negative_embeds"][prompt_index], embeds]),
                                       torch.cat([latents, latents]), torch.cat([sigma, sigma]))
         embeds, = self.kernels.text_inputs(embeds)
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(hidden_states=latents, encoder_hidden_states=embeds, timestep=sigma,  # x1000 inside
                               img_ids=image_ids, txt_ids=cond["text_ids"], guidance=None, return_dict=False)[0]
-        return self.guided(out, self.guidance) if self.guidance > 0 else out.float()
+        return self.guided(out, self.guidance) if self.cfg else out.float()
 
     @torch.no_grad()
     def decode(self, latents, resolution):
@@ -331,18 +336,23 @@ class Flux2KleinAdapter(Adapter):
 
 
 class WanAdapter(Adapter):
-    """Wan 2.1 / 2.2 text-to-video (UMT5 text encoder). Latents are videos (B, C, F', h, w), F' = (F - 1) / 4 + 1
-    latent frames for F frames; the transformer takes t = 1000 sigma. Classifier-free guidance against the empty
-    caption when `guidance` > 1, as the pipeline does, at 2 image-forwards per velocity. Decoded samples are videos
-    (M, 3, F, H, W); the rewards score their frames (rewards.over_frames)."""
+    """Wan 2.1 / 2.2 text-to-video (UMT5 text encoder; one transformer: 2.1, or 2.2 TI2V 5B). Latents are videos
+    (B, C, F', h, w), F' = (F - 1) / 4 + 1 latent frames for F frames; the transformer takes t = 1000 sigma.
+    Classifier-free guidance against the empty caption when `guidance` > 1, as the pipeline does, at 2 image-forwards
+    per velocity. Decoded samples are videos (M, 3, F, H, W); the rewards score their frames (rewards.over_frames,
+    deviation 13)."""
     from diffusers import WanPipeline as pipeline_class
     lora_targets = (LORA_ATTENTION[:4], ["ffn.net.0.proj", "ffn.net.2"])  # attn1 (self) and attn2 (text) share names
 
     def __init__(self, pipe, device, dtype, guidance: float = 5.0, max_sequence_length: int = 512, num_frames: int = 81,
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise ModelLoadError("Wan 2.2 A14B's two experts (transformer_2) are not supported; use Wan 2.1 T2V or "
+                                 "Wan 2.2 TI2V 5B")
         super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
         self.guidance, self.max_sequence_length, self.num_frames = guidance, max_sequence_length, num_frames
         self.forwards_per_velocity = 2 if guidance > 1 else 1
+        pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its model card's advice: bf16 degrades the video)
 
     def encode_prompts(self, prompts):
         embeds, negative = self.pipe.encode_prompt(list(prompts), negative_prompt="", device=self.device,
@@ -375,15 +385,6 @@ class WanAdapter(Adapter):
         std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
         video = vae.decode((latents.to(self.device) * std + mean).to(vae.dtype), return_dict=False)[0]
         return ((video.float() + 1) / 2).clamp(0, 1)
-
-
-def frame_strips(videos, count: int = 4):
-    """Videos (N, 3, F, H, W) -> images (N, 3, H, count W): `count` frames spread over each video, side by side (the
-    sample grids of a video model); images (N, 3, H, W) pass through."""
-    if videos.ndim == 4:
-        return videos
-    frames = torch.linspace(0, videos.shape[2] - 1, min(count, videos.shape[2])).round().long()
-    return torch.cat(list(videos[:, :, frames].unbind(2)), dim=-1)
 
 
 ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter,

@@ -635,6 +635,8 @@ def main(argv=None):
     if not all(math.isfinite(v) and v > 0 for v in (args.gpu_memory_gib, args.peak_tflops, args.disk_gb_per_s)):
         fail("--gpu-memory-gib, --peak-tflops and --disk-gb-per-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
+    if args.model not in (*CONFIGS, "tiny"):
+        fail(f"plan.py builds {', '.join(CONFIGS)} and tiny so far; --model {args.model} is not planned yet")
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
     if args.model != "tiny" and not os.path.isfile(os.path.join(folder, "transformer.json")):
         fail(f"--configs '{folder}' holds no transformer.json; pass the folder of the model's configurations")

@@ -83,8 +83,8 @@ def _load_state_dict(path: str):
 
 def over_frames(fn, every: int = 1):
     """An image reward that also scores videos (N, 3, F, H, W): the mean over every `every`-th frame (this project's
-    choice; a video-native reward would also see motion and consistency across frames). Images pass through, and a
-    strict pass (`success`) carries over."""
+    choice, deviation 13; a video-native reward would also see motion and consistency across frames). Images pass
+    through."""
 
     def reward(images, prompts):
         if images.ndim == 4:
@@ -94,8 +94,6 @@ def over_frames(fn, every: int = 1):
         flat = frames.transpose(1, 2).flatten(0, 1)  # (N F_k, 3, H, W)
         return fn(flat, [p for p in prompts for _ in range(F)]).view(N, F).mean(1)
 
-    if hasattr(fn, "success"):
-        reward.success = over_frames(fn.success, every)
     return reward
 
 

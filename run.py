@@ -319,17 +319,16 @@ class Run:
             return
         from torchvision.utils import save_image
 
-        from models import frame_strips
-
         os.makedirs(os.path.join(self.out, "samples"), exist_ok=True)
+        images = images.float() / 255 if images.dtype == torch.uint8 else images
         n = min(len(images), 2 * eval_prompts, 24)
         name = os.path.join(self.out, "samples", f"eval_iter_{iteration:06d}")
-        shown = frame_strips(images[:n])  # a video model's samples: a strip of frames each
-        save_image(shown, name + ".png", nrow=min(n, 12 if shown is images[:n] else 3), padding=1)
+        shown, nrow = frame_strips(images[:n]), min(n, 12 if images.ndim == 4 else 3)  # videos: a strip of frames
+        save_image(shown, name + ".png", nrow=nrow, padding=1)
         if images.ndim == 5:  # and one animated grid of them
             save_gif(images[:n], name + ".gif", nrow=min(n, 6))
         if self.tracker is not None:
-            self.tracker.images(shown, captions[:n], iteration)
+            self.tracker.images(shown, captions[:n], iteration, nrow)
 
     def summary(self, before: dict, after: dict, reward_names):
         parts = []
@@ -352,6 +351,15 @@ class Run:
             grid.paste(bottom, (0, top.height + 4))
             grid.save(os.path.join(samples, "before_after.png"))
             self.log(f"before (top) / after (bottom) samples: {os.path.join(samples, 'before_after.png')}")
+
+
+def frame_strips(videos, count: int = 4):
+    """Videos (N, 3, F, H, W) -> images (N, 3, H, count W): `count` frames spread over each video, side by side (the
+    sample grids of a video model); images (N, 3, H, W) pass through."""
+    if videos.ndim == 4:
+        return videos
+    frames = torch.linspace(0, videos.shape[2] - 1, min(count, videos.shape[2])).round().long()
+    return torch.cat(list(videos[:, :, frames].unbind(2)), dim=-1)
 
 
 def save_gif(videos, path: str, nrow: int, fps: int = 8):
@@ -405,12 +413,12 @@ class Tracker:
         else:
             self.run.log(metrics, step=iteration)
 
-    def images(self, images, captions, iteration: int):
+    def images(self, images, captions, iteration: int, nrow: int):
         """One grid (TensorBoard, with the captions as text) or one captioned image per sample (wandb)."""
         if self.kind == "tensorboard":
             from torchvision.utils import make_grid
 
-            self.writer.add_image("eval/samples", make_grid(images, nrow=min(len(images), 12), padding=1), iteration)
+            self.writer.add_image("eval/samples", make_grid(images, nrow=nrow, padding=1), iteration)
             self.writer.add_text("eval/captions", "  \n".join(captions), iteration)
         else:
             arrays = (images.permute(0, 2, 3, 1).clamp(0, 1) * 255).round().byte().numpy()

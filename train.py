@@ -124,14 +124,14 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
 
 
 def _shard(module, dtype, device, mesh=None):
-    """FSDP2: shard every transformer block, then the rest; the shards alone move to the device. `mesh`: the
-    ranks' device mesh (default: all ranks of the process group)."""
+    """FSDP2: shard every transformer block (the classes diffusers lists as `_no_split_modules`), then the rest; the
+    shards alone move to the device. `mesh`: the ranks' device mesh (default: all ranks of the process group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for name in ("transformer_blocks", "single_transformer_blocks"):
-        for block in getattr(module, name, []):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+    block_classes = set(getattr(module, "_no_split_modules", None) or [])
+    for block in [m for m in module.modules() if type(m).__name__ in block_classes]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     module.to(device)
 
@@ -316,8 +316,8 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
                     for n, ((_, s), v) in enumerate(zip(batch, scores)):
                         if start + i + n < valid:  # not a padding item
                             per_seed[r, s] += torch.tensor([float(v), 1.0], dtype=torch.float64)
-                if len(grid) < GRID_IMAGES:
-                    grid.extend(images[: GRID_IMAGES - len(grid)].cpu())
+                if len(grid) < GRID_IMAGES:  # as bytes: 24 videos of 81 frames would hold gigabytes in fp32
+                    grid.extend((images[: GRID_IMAGES - len(grid)] * 255).round().byte().cpu())
     finally:
         if policy.ema is not None:
             policy.ema.swap()

@@ -101,7 +101,7 @@ def test_two_iterations_and_the_weights_in_the_stock_pipeline(family, lora, zima
     if lora:
         pipe.load_lora_weights(os.path.join(folder, "lora"))
         names = [n for n, _ in pipe.transformer.named_modules() if n.endswith("lora_A")]
-        # every attention projection and feed-forward layer carries LoRA: single-stream blocks too (FLUX.2)
+        # LoRA on attention and on feed-forward layers, and in FLUX.2's single-stream blocks too
         assert any(".w1." in n or ".ff." in n for n in names) and any("attention" in n or "attn" in n for n in names)
         if family == "flux2":
             assert any(n.startswith("single_transformer_blocks") for n in names)
