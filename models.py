@@ -75,7 +75,7 @@ class Adapter:
     options (attention_backend, rollout_attention_backend, compile) go to `kernels.Kernels`."""
 
     pipeline_class = None
-    forwards_per_velocity = 1  # image-forwards of the transformer in one velocity evaluation (2 with CFG)
+    cfg = False  # classifier-free guidance in the velocity; a property where it depends on the guidance value
     lora_targets = (LORA_ATTENTION, LORA_FEED_FORWARD)  # module names of the attention and feed-forward layers
 
     def __init__(self, pipe, device, dtype, offload_text_encoders=False, place_transformer=True, **options):
@@ -91,6 +91,15 @@ class Adapter:
                 module.to(dtype)
         if place_transformer:  # FSDP2 shards the transformer on the CPU first, then moves only the shards
             self.transformer.to(self.device)
+
+    @property
+    def forwards_per_velocity(self) -> int:
+        """Image-forwards of the transformer in one velocity evaluation: 2 with CFG (unconditional, conditional)."""
+        return 2 if self.cfg else 1
+
+    def draw_noise(self, generators, shape):
+        """One standard normal latent of `shape` per generator, drawn on the CPU for reproducibility: (B, *shape)."""
+        return torch.stack([torch.randn(shape, generator=g) for g in generators])
 
     @torch.no_grad()
     def encode(self, prompts):
@@ -160,10 +169,10 @@ class FluxAdapter(Adapter):
         return self.transformer.config.in_channels // 4
 
     def noise(self, generators, resolution):
-        """One standard normal latent per generator: (B, L, 4C), drawn on the CPU for reproducibility."""
+        """One standard normal latent per generator: (B, L, 4C)."""
         h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
         shape = (self.latent_channels(), h, w)
-        latents = torch.stack([torch.randn(shape, generator=g) for g in generators])  # (B, C, h, w)
+        latents = self.draw_noise(generators, shape)  # (B, C, h, w)
         return self.pipe._pack_latents(latents, len(generators), shape[0], h, w).to(self.device)  # (B, L, 4C)
 
     def unpack(self, latents, resolution):
@@ -187,7 +196,7 @@ class FluxAdapter(Adapter):
 
 class SD3Adapter(Adapter):
     from diffusers import StableDiffusion3Pipeline as pipeline_class
-    forwards_per_velocity = 2  # classifier-free guidance: the unconditional and the conditional forward
+    cfg = True
 
     def __init__(self, pipe, device, dtype, guidance: float = 4.5, max_sequence_length: int = 256,
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
@@ -205,8 +214,7 @@ class SD3Adapter(Adapter):
 
     def noise(self, generators, resolution):
         h = w = resolution // self.pipe.vae_scale_factor
-        shape = (self.transformer.config.in_channels, h, w)
-        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, h, w)
+        return self.draw_noise(generators, (self.transformer.config.in_channels, h, w)).to(self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
         """Guided velocity v_u + w (v_c - v_u): latents (M, C, h, w) -> (M, C, h, w) float32."""
@@ -232,13 +240,16 @@ class ZImageAdapter(Adapter):
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
         super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
         self.guidance, self.max_sequence_length = guidance, max_sequence_length
-        self.forwards_per_velocity = 2 if guidance > 0 else 1
+
+    @property
+    def cfg(self):
+        return self.guidance > 0
 
     def encode_prompts(self, prompts):
         # lists of unpadded (T_i, D), from the second-to-last layer; a copy of the prompts, as diffusers writes the
         # chat-templated ones into the list it is given
         embeds, negative = self.pipe.encode_prompt(list(prompts), device=self.device,
-                                                   do_classifier_free_guidance=self.guidance > 0,
+                                                   do_classifier_free_guidance=self.cfg,
                                                    max_sequence_length=self.max_sequence_length)
         cond = {"prompt_embeds": torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True),  # (B, T, D)
                 "lengths": torch.tensor([len(e) for e in embeds])}  # (B,)
@@ -249,15 +260,14 @@ class ZImageAdapter(Adapter):
 
     def noise(self, generators, resolution):
         h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
-        shape = (self.transformer.config.in_channels, h, w)
-        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, h, w)
+        return self.draw_noise(generators, (self.transformer.config.in_channels, h, w)).to(self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
         """latents (M, C, h, w) -> (M, C, h, w) float32; guided when `guidance` > 0."""
         index = prompt_index.tolist()
         texts = [cond["prompt_embeds"][i, : cond["lengths"][i]] for i in index]  # M captions (T_i, D)
         x, t = list(latents.unsqueeze(2).unbind(0)), (1 - sigma).to(self.device)  # its time runs from noise (0)
-        if self.guidance > 0:  # the empty caption first
+        if self.cfg:  # the empty caption first
             texts = [cond["negative_embeds"][i, : cond["negative_lengths"][i]] for i in index] + texts
             x, t = x + x, torch.cat([t, t])
         texts = list(self.kernels.text_inputs(*texts))
@@ -265,7 +275,7 @@ class ZImageAdapter(Adapter):
             out = transformer(x, t, texts, return_dict=False)[0]  # a list of (C, 1, h, w)
         v = -torch.stack(out).squeeze(2).float()  # the transformer predicts -v
         # Z-Image's pipeline guides as v_c + w (v_c - v_u), which is weight 1 + w in the usual form
-        return self.guided(v, 1 + self.guidance) if self.guidance > 0 else v
+        return self.guided(v, 1 + self.guidance) if self.cfg else v
 
 
 class Flux2KleinAdapter(Adapter):
@@ -284,11 +294,12 @@ class Flux2KleinAdapter(Adapter):
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
         super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
         self.guidance, self.max_sequence_length = guidance, max_sequence_length
-        # CFG as the pipeline runs it: above 1, and never for the distilled models (it ignores guidance there)
-        self.cfg = guidance > 1 and not pipe.config.get("is_distilled", False)
-        self.forwards_per_velocity = 2 if self.cfg else 1
         depth = pipe.text_encoder.config.num_hidden_layers  # 36 in klein 4B and 9B: layers (9, 18, 27)
         self.text_layers = tuple(depth * k // 4 for k in (1, 2, 3))
+
+    @property
+    def cfg(self):  # as the pipeline runs it: above 1, and never for the distilled models (it ignores guidance there)
+        return self.guidance > 1 and not self.pipe.config.get("is_distilled", False)
 
     def encode_prompts(self, prompts):
         def encode(texts):  # (B, T, 3 D) and the text positions (T, 4), shared by every prompt
@@ -307,7 +318,7 @@ class Flux2KleinAdapter(Adapter):
         """Standard normal latents drawn as the VAE's 2x2 patches (4C, h/2, w/2), flattened to (B, L, 4C)."""
         side = resolution // (self.pipe.vae_scale_factor * 2)
         shape = (self.transformer.config.in_channels, side, side)
-        latents = torch.stack([torch.randn(shape, generator=g) for g in generators])  # (B, 4C, h/2, w/2)
+        latents = self.draw_noise(generators, shape)  # (B, 4C, h/2, w/2)
         return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
@@ -351,12 +362,15 @@ class WanAdapter(Adapter):
                                  "Wan 2.2 TI2V 5B")
         super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
         self.guidance, self.max_sequence_length, self.num_frames = guidance, max_sequence_length, num_frames
-        self.forwards_per_velocity = 2 if guidance > 1 else 1
         pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its model card's advice: bf16 degrades the video)
+
+    @property
+    def cfg(self):  # as the pipeline runs it: above 1
+        return self.guidance > 1
 
     def encode_prompts(self, prompts):
         embeds, negative = self.pipe.encode_prompt(list(prompts), negative_prompt="", device=self.device,
-                                                   do_classifier_free_guidance=self.guidance > 1,
+                                                   do_classifier_free_guidance=self.cfg,
                                                    max_sequence_length=self.max_sequence_length)  # (B, T, D) each
         return {"prompt_embeds": embeds, **({"negative_embeds": negative} if negative is not None else {})}
 
@@ -364,18 +378,18 @@ class WanAdapter(Adapter):
         vae = self.pipe.vae.config
         frames = (self.num_frames - 1) // vae.scale_factor_temporal + 1
         shape = (self.transformer.config.in_channels, frames, *(2 * [resolution // vae.scale_factor_spatial]))
-        return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)  # (B, C, F', h, w)
+        return self.draw_noise(generators, shape).to(self.device)  # (B, C, F', h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
-        """latents (M, C, F', h, w) -> (M, C, F', h, w) float32; guided v_u + w (v_c - v_u) when `guidance` > 1."""
+        """latents (M, C, F', h, w) -> (M, C, F', h, w) float32; guided v_u + w (v_c - v_u) with CFG."""
         embeds, t = cond["prompt_embeds"][prompt_index], sigma.to(self.device) * 1000  # Wan takes t = 1000 sigma
-        if self.guidance > 1:
+        if self.cfg:
             embeds = torch.cat([cond["negative_embeds"][prompt_index], embeds])
             latents, t = torch.cat([latents, latents]), torch.cat([t, t])
         embeds, = self.kernels.text_inputs(embeds)
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(hidden_states=latents, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
-        return self.guided(out, self.guidance) if self.guidance > 1 else out.float()
+        return self.guided(out, self.guidance) if self.cfg else out.float()
 
     @torch.no_grad()
     def decode(self, latents, resolution):

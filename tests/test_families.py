@@ -66,6 +66,18 @@ def test_the_adapter_samples_as_the_stock_pipeline(family_path):
     torch.testing.assert_close(adapter.decode(ours, 32), stock, atol=1e-4, rtol=1e-4)
 
 
+def test_guidance_set_after_loading_switches_cfg(tmp_path):
+    """evaluate.py sets each model's guidance on one loaded adapter: CFG and its forward count follow the value."""
+    from conftest import build_flux2_pipeline
+
+    path = str(tmp_path / "flux2_base")
+    build_flux2_pipeline(distilled=False).save_pretrained(path)
+    adapter = load("flux2", path, 0.0)
+    assert not adapter.cfg and adapter.forwards_per_velocity == 1
+    adapter.guidance = 4.0
+    assert adapter.cfg and adapter.forwards_per_velocity == 2 and "negative_embeds" in adapter.encode(PROMPTS)
+
+
 @pytest.mark.parametrize("family", [*FAMILIES, "wan"])
 def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, wan_path):
     if family == "wan":  # with its guidance: two image-forwards a velocity
