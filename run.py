@@ -402,8 +402,7 @@ class Tracker:
             self.wandb = wandb
             self.run = wandb.init(project=args.tracker_project, name=name, id=run_id, resume="allow", dir=out,
                                   config=config)
-            where = self.run.url or os.path.relpath(self.run.dir, os.getcwd())
-            where = f"watch at {where}" if self.run.url else f"offline, files in {where}"
+            where = f"watch at {self.run.url}" if self.run.url else f"offline, files in {os.path.relpath(self.run.dir)}"
             log(f"wandb: run {name} ({run_id}), {where}")
 
     def scalars(self, metrics: dict, iteration: int):
