@@ -17,8 +17,8 @@ called, with its attention kernels and compilation), `models.add_lora` (the trai
                 the seconds per phase of one iteration projected from them.
 FLOPs come from torch.utils.flop_counter on one forward (rollout) and one update step (forward, checkpoint
 recompute and backward, as executed). On CUDA each case runs in a subprocess of its own (a CUDA error poisons the
-process that meets it); results are appended to `results.jsonl` and printed as markdown tables as they come. A
-case that would start past `--budget-s` is skipped and says so.
+process that meets it); results are appended to `results.jsonl` (a failed case's stderr to `failures.log`) and printed
+as markdown tables as they come. A case that would start past `--budget-s` is skipped and says so.
 
 What stands in for what at FLUX size: random prompt embeddings of T5-XXL's and CLIP's shapes (no text encoders);
 a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel rule as the reward (an HPS ViT-H
@@ -377,6 +377,8 @@ def run_case(args: Args, case: dict, deadline: float, isolate: bool) -> dict:
     result = next((json.loads(line[7:]) for line in reversed(lines) if line.startswith("RESULT ")), None)
     if proc.returncode or result is None:
         why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        with open(os.path.join(args.output_dir, "failures.log"), "a") as f:  # the whole story, for the one who fixes it
+            f.write(f"# {json.dumps(case)}: exit {proc.returncode}\n{proc.stderr[-20000:]}\n")
         return {**case, "status": f"failed (exit {proc.returncode}): {why[:300]}"}
     return {**result, "wall_s": time.time() - start, "notes": [line for line in lines if line.startswith("note:")]}
 
