@@ -181,6 +181,19 @@ def test_regional_compilation_gives_the_same_velocity_and_gradient():
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
 
 
+def test_compiled_blocks_stay_compiled_past_many_versions():
+    """Each grad mode, batch size, input layout and resolution that a block meets is a new version of its graph;
+    past torch's default limit of 8 versions the block would run eager without a word (as a FLUX block did on an
+    H200). Here hitting the limit is an error, and each batch size a version of its own (static shapes): 12 versions
+    of a one-layer block (the limit is the graph capture's, whatever the block; the "eager" backend)."""
+    transformer = torch.nn.Module()
+    transformer.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    kernels.compile_blocks(transformer, "eager")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False):
+        for batch in range(1, 13):
+            transformer.transformer_blocks[0](torch.randn(batch, 4))
+
+
 def test_add_lora_keeps_the_frozen_base_and_trains_fp32_lora():
     adapter = make_adapter(lora=False)
     adapter.transformer.to(torch.bfloat16)
