@@ -192,9 +192,9 @@ def check_settings(s: dict, where: str):
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
     if s["resolution"] < multiple or s["resolution"] % multiple:
         fail(f"{where}: resolution {s['resolution']} is not a positive multiple of {multiple}")
-    video = s["model"] == "wan"
-    if (video and (s["num_frames"] < 1 or (s["num_frames"] - 1) % 4)) or (not video and s["num_frames"] != 1):
-        fail(f"{where}: num_frames {s['num_frames']}: Wan takes 4k + 1 frames, image models 1")
+    problem = flags.frames_problem(s["model"], s["num_frames"], f"{where}: num_frames")
+    if problem:
+        fail(problem)
     if s["reward_frames"] < 1:
         fail(f"{where}: reward_frames {s['reward_frames']} must be >= 1 (1 = every frame)")
 
@@ -276,7 +276,7 @@ def load_base(settings: dict, args, device, dtype, config: dict):
         return models.ADAPTERS[settings["model"]].load(
             path, device, dtype, transformer_dtype=dtype, guidance=settings["guidance"],
             max_sequence_length=settings["max_sequence_length"], offload_text_encoders=args.offload_text_encoders,
-            **({"num_frames": settings["num_frames"]} if settings["model"] == "wan" else {}))
+            num_frames=settings["num_frames"])
     except models.ModelLoadError as err:
         fail(str(err))
 

@@ -259,6 +259,17 @@ def validate(args, world: int, log=print):
             read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
 
 
+def frames_problem(model: str, num_frames: int, name: str) -> str | None:
+    """Why `num_frames` (the setting `name`) does not suit `model`, in one line, or None: Wan takes 4k + 1 frames,
+    image models 1."""
+    if model == "wan" and (num_frames < 1 or (num_frames - 1) % 4):
+        return (f"{name} {num_frames}: Wan takes 4k + 1 frames (the VAE packs 4 frames a latent frame); use e.g. "
+                f"{max(1, (num_frames - 1) // 4 * 4 + 1)}")
+    if model != "wan" and num_frames != 1:
+        return f"{name} {num_frames} is for video models (--model wan); --model {model} makes images"
+    return None
+
+
 def check_flags(args, world: int, log=print):
     """Every check of the flags themselves (no file is read). Returns the reward weights."""
     for f in dataclasses.fields(TrainArgs):
@@ -277,11 +288,9 @@ def check_flags(args, world: int, log=print):
         fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
     if args.window_size > args.num_steps:
         fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
-    if args.model == "wan" and (args.num_frames < 1 or (args.num_frames - 1) % 4):
-        fail(f"--num-frames {args.num_frames}: Wan takes 4k + 1 frames (the VAE packs 4 frames a latent frame); "
-             f"use e.g. {max(1, (args.num_frames - 1) // 4 * 4 + 1)}")
-    if args.model != "wan" and args.num_frames != 1:
-        fail(f"--num-frames {args.num_frames} is for video models (--model wan); --model {args.model} makes images")
+    problem = frames_problem(args.model, args.num_frames, "--num-frames")
+    if problem:
+        fail(problem)
     multiple = RESOLUTION_MULTIPLE[args.model]
     if args.resolution % multiple:
         fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "

@@ -78,8 +78,10 @@ class Adapter:
     cfg = False  # classifier-free guidance in the velocity; a property where it depends on the guidance value
     lora_targets = (LORA_ATTENTION, LORA_FEED_FORWARD)  # module names of the attention and feed-forward layers
 
-    def __init__(self, pipe, device, dtype, offload_text_encoders=False, place_transformer=True, **options):
+    def __init__(self, pipe, device, dtype, offload_text_encoders=False, place_transformer=True, num_frames=1,
+                 **options):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
+        self.num_frames = num_frames  # of each sample: 1 for images (a video model's adapter reads it)
         self.transformer = pipe.transformer
         self.offload = offload_text_encoders
         self.kernels = Kernels(self.transformer, self.device, dtype, **options)
@@ -360,8 +362,8 @@ class WanAdapter(Adapter):
         if getattr(pipe, "transformer_2", None) is not None:
             raise ModelLoadError("Wan 2.2 A14B's two experts (transformer_2) are not supported; use Wan 2.1 T2V or "
                                  "Wan 2.2 TI2V 5B")
-        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
-        self.guidance, self.max_sequence_length, self.num_frames = guidance, max_sequence_length, num_frames
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, num_frames, **options)
+        self.guidance, self.max_sequence_length = guidance, max_sequence_length
         pipe.vae.to(torch.float32)  # Wan's VAE decodes in fp32 (its model card's advice: bf16 degrades the video)
 
     @property

@@ -74,7 +74,7 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
             rollout_attention_backend=args.rollout_attention_backend, compile=args.compile,
             # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
             transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full),
-            **({"num_frames": args.num_frames} if args.model == "wan" else {}))
+            num_frames=args.num_frames)
     except ModelLoadError as err:
         fail(str(err))
     policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
