@@ -463,6 +463,10 @@ def evaluate(args):
                                              frames_every=rows[0].settings["reward_frames"]) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
+    # a reward with a strict pass (the tiny world's) adds its success rate as the next column
+    metric_fns = {name: fn for m, f in metric_fns.items()
+                  for name, fn in [(m, f), *([(f"{m}_success", f.success)] if hasattr(f, "success") else [])]}
+    metrics = list(metric_fns)
     adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     lock = None
     if rank == 0:  # a second evaluation into this folder is refused instead of mixing its files with this one's

@@ -14,7 +14,7 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | aesthetic     | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head | MLP(normalised image features)    |
 | imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
-| shapes        | none: the tiny world's pixel rule (tiny.py)                  | colour, position, shape in [0, 1] |
+| shapes        | none: the tiny world's pixel rule (tiny.py)                  | objects, counts, relations in [0, 1] |
 
 Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
 reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
@@ -94,6 +94,8 @@ def over_frames(fn, every: int = 1):
         flat = frames.transpose(1, 2).flatten(0, 1)  # (N F_k, 3, H, W)
         return fn(flat, [p for p in prompts for _ in range(F)]).view(N, F).mean(1)
 
+    if hasattr(fn, "success"):  # a strict pass rides along (the tiny world's success rate)
+        reward.success = over_frames(fn.success, every)
     return reward
 
 
@@ -240,10 +242,13 @@ def imagereward(device, dtype, batch_size, paths):
 
 
 def shapes(device, dtype, batch_size, paths):
-    """The tiny world's rule: does the image show the colour, shape and position its prompt names (tiny.py)."""
-    from tiny import shape_reward
+    """The tiny world's rule: do the pixels show the objects, colours, counts and relations the caption names
+    (tiny.py). It carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
+    from tiny import shape_reward, shape_success
 
-    return _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
+    reward = _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
+    reward.success = _batched(lambda images, prompts: shape_success(images.to(device), prompts), batch_size)
+    return reward
 
 
 # The judge's question, in this project's words: the caption, then the two criteria UnifiedReward is trained to

@@ -340,6 +340,10 @@ class Run:
             parts.append(f"{name} {b:.4f} (seed std {sb:.4f}) -> {a:.4f} (seed std {sa:.4f})")
         if parts:
             self.log("held-out eval reward: " + "; ".join(parts))
+        for name in reward_names:
+            b, a = before.get(f"eval/success/{name}"), after.get(f"eval/success/{name}")
+            if b is not None and a is not None:
+                self.log(f"held-out success rate ({name}, every object right): {b:.3f} -> {a:.3f}")
         samples = os.path.join(self.out, "samples")
         first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))
         if os.path.exists(first) and os.path.exists(final):

@@ -110,6 +110,53 @@ def shape_reward(images, prompts):
     return shape_scores(images, prompts).mean(1)
 
 
+MIN_AREA = 5  # pixels: a smaller blob of a colour is a speck, not an object
+
+
+def _blobs(mask):
+    """Connected components (8-neighbourhood) of boolean masks (M, H, W): integer labels, 0 for background."""
+    M, H, W = mask.shape
+    labels = torch.arange(1, H * W + 1, device=mask.device, dtype=torch.float32).view(1, H, W).expand(M, H, W)
+    labels = labels * mask
+    while True:  # every pixel takes its neighbourhood's largest label until nothing changes
+        grown = torch.nn.functional.max_pool2d(labels[:, None], 3, stride=1, padding=1)[:, 0] * mask
+        if torch.equal(grown, labels):
+            return labels.long()
+        labels = grown
+
+
+def shape_success(images, prompts):
+    """The strict, GenEval-style pass of each image, 1.0 or 0.0, (N,): the named colour shows exactly one object
+    (a connected blob of at least MIN_AREA pixels), its fill is nearest the named shape's, and its centre lies at
+    least 2 pixels into the named half. Averaged over images, the success rate."""
+    images = images.float().cpu()
+    N, _, H, W = images.shape
+    border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
+    foreground = (images - border.median(dim=-1).values[:, :, None, None]).norm(dim=1) > 0.2  # (N, H, W)
+    palette = torch.tensor(list(COLOURS.values()))  # (4, 3)
+    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W)
+    ys, xs = torch.meshgrid(torch.arange(H) + 0.5, torch.arange(W) + 0.5, indexing="ij")
+    passes = torch.zeros(N)
+    for i, prompt in enumerate(prompts):
+        colour, shape, position = parse(prompt)
+        if None in (colour, shape, position):
+            continue
+        c = list(COLOURS).index(colour)
+        mine = foreground[i] & (distance[i, c] < 0.15) & (distance[i].argmin(0) == c)
+        labels = _blobs(mine[None])[0]
+        blobs = [labels == v for v in labels.unique()[1:] if int((labels == v).sum()) >= MIN_AREA]
+        if len(blobs) != 1:
+            continue
+        m = blobs[0]
+        rows, cols = m.any(1).nonzero(), m.any(0).nonzero()
+        fill = float(m.sum()) / float((rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1))
+        x, y = float(xs[m].mean()), float(ys[m].mean())
+        offset = {"left": W / 2 - x, "right": x - W / 2, "top": H / 2 - y, "bottom": y - H / 2}[position]
+        nearest = min(SHAPES, key=lambda s: abs(SHAPES[s] - fill))
+        passes[i] = float(nearest == shape and offset > 2.0)
+    return passes.to(images.device)
+
+
 # --- building the tiny pipeline -------------------------------------------------------------------------------
 
 def build_tokenizers():

@@ -295,7 +295,10 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
-    names = list(policy.reward_fns)
+    # every reward's score, and the strict pass of those that have one (the tiny world's success rate)
+    fns = {**{name: fn for name, fn in policy.reward_fns.items()},
+           **{f"success/{name}": fn.success for name, fn in policy.reward_fns.items() if hasattr(fn, "success")}}
+    names = list(fns)
     per_seed = torch.zeros(len(names), args.eval_seeds, 2, dtype=torch.float64)  # (R, seeds, (sum, count))
     grid = []
     if policy.ema is not None:
@@ -311,7 +314,7 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
             for i in range(0, len(chunk), args.reward_batch_size):
                 images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)  # (b', 3, H, W)
                 batch = chunk[i : i + args.reward_batch_size]
-                for r, fn in enumerate(policy.reward_fns.values()):
+                for r, fn in enumerate(fns.values()):
                     scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
                     for n, ((_, s), v) in enumerate(zip(batch, scores)):
                         if start + i + n < valid:  # not a padding item
@@ -326,8 +329,9 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     metrics = {}
     for r, name in enumerate(names):
         means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
-        metrics[f"eval/reward/{name}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
-        metrics[f"eval/reward_seed_std/{name}"] = float(means.std()) if args.eval_seeds > 1 else 0.0
+        kind, name = ("success", name[8:]) if name.startswith("success/") else ("reward", name)
+        metrics[f"eval/{kind}/{name}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
+        metrics[f"eval/{kind}_seed_std/{name}"] = float(means.std()) if args.eval_seeds > 1 else 0.0
     return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
 
 

@@ -117,7 +117,7 @@ def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folder
     code, stdout, stderr = run_main(argv)
     assert code in (0, None), stderr
     table = table_of(stdout)
-    assert table[0] == "| model | shapes | clip | unifiedreward | pickscore (/100) |"
+    assert table[0] == "| model | shapes | shapes_success | clip | unifiedreward | pickscore (/100) |"
     assert [line.split(" | ")[0] for line in table[2:]] == ["| base", "| lora_run/iter_000002",
                                                            "| full_run/iter_000005"]
     assert (out / "table.md").read_text().strip().splitlines() == table
@@ -126,6 +126,7 @@ def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folder
     assert lora["checkpoint"].endswith(os.path.join("lora_run", "checkpoints", "iter_000002"))  # newest complete
     assert base["settings"] == lora["settings"] and lora["settings"]["num_steps"] == 3  # from config.json
     assert results["num_images"] == 10 and len(base["scores"]["shapes"]) == 10
+    assert set(base["scores"]["shapes_success"]) <= {0.0, 1.0}  # the strict pass, GenEval-style
     assert base["scores"] == full["scores"]  # the full checkpoint holds the base weights
     assert base["scores"]["clip"] != lora["scores"]["clip"]  # the LoRA changes the images
     for row in results["rows"]:

@@ -168,6 +168,27 @@ def test_shapes_reward_prefers_the_named_attributes():
     assert fn(torch.zeros(2, 3, 32, 32), prompts[:2]).eq(0).all()  # no foreground, no reward
 
 
+def test_shapes_success_is_strict_on_hand_made_images():
+    import tiny
+
+    prompts = tiny.all_prompts()  # 48: colour-major, then shape, then position
+    images = tiny.render(prompts, torch.Generator().manual_seed(0))
+    success = load_reward("shapes").success
+    assert success(images, prompts).eq(1).all()  # every drawn caption passes
+    swap = lambda i, a, b: prompts[i].replace(a, b)
+    # each failure mode fails the pass: the wrong shape, half or colour, no object, two objects
+    assert success(images[:4], [swap(i, "circle", "square") for i in range(4)]).eq(0).all()
+    opposite = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+    assert success(images[:4], [swap(i, p, opposite[p]) for i, p in enumerate(opposite)]).eq(0).all()
+    assert success(images[:4], [swap(i, "red", "blue") for i in range(4)]).eq(0).all()
+    assert success(torch.full((1, 3, 32, 32), 0.1), prompts[:1]).eq(0).all()
+    both = torch.maximum(images[0], images[1])  # a red circle on the left and one on the right
+    assert success(both[None], prompts[:1]).eq(0).all()
+    speck = images[0].clone()
+    speck[:, 30:32, 30:32] = torch.tensor(tiny.COLOURS["red"])[:, None, None]  # 4 pixels: a speck, not an object
+    assert success(speck[None], prompts[:1]).eq(1).all()
+
+
 def test_reward_errors(tmp_path):
     with pytest.raises(RewardError, match="unknown reward 'hsp'; known rewards: hps, clip"):
         load_reward("hsp")

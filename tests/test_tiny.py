@@ -67,6 +67,8 @@ def test_short_runs_improve_held_out_reward(sampling, tiny_cache, tmp_path):
         rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
         evals = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
         gains.append(evals[-1] - evals[0])
+        success = [r["eval/success/shapes"] for r in rows if "eval/success/shapes" in r]  # the strict pass rate
+        assert len(success) == len(evals) and all(0 <= s <= 1 for s in success)
     # measured on 2 cores, seeds 0, 1 (2 of them: a third added 70 s to the suite and nothing to the verdict; the
     # held-out reward starts at 0.606, eval-seed std 0.011): g2rpo +0.028 +0.037, full SDE +0.015 +0.019
     floor, mean = {"g2rpo": (0.015, 0.02), "full": (0.005, 0.01)}[sampling]
