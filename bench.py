@@ -5,10 +5,10 @@
      (same math, every forward at batch 1, the SDE-step forward recomputed per member), and full-SDE sampling.
   2. Speed on the tiny model, same machine, same run: seconds per iteration split into sampling, decoding,
      reward and update, batched (this project) against a batch-1 loop with the reference's structure.
-  3. Learning per unit of compute on the tiny model: held-out eval reward against cumulative NFE and wall time for
+  3. Learning per unit of compute on the tiny model: held-out success rate against cumulative NFE and wall time for
      G2RPO (granularities {1, 2, 3}), G2RPO without multi-granularity ({1}), the full-SDE baseline, mixed
      ODE-SDE sampling in a sliding window, and G2RPO and full SDE with a KL term, at equal NFE budgets, over seeds;
-     a table and a PNG plot.
+     a table (with each method's gap to G2RPO in seed standard deviations) and a PNG plot.
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from gpu_check.py.
 
 Run:  python bench.py            (parts 1-3, CPU)
@@ -32,7 +32,7 @@ class Args:
     """A shortened run of every part (what the tests run)."""
     parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
-    seeds: int = 3
+    seeds: int = 5
     """Training seeds per method in part 3."""
     budget_nfe: int = 30_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all)."""
@@ -169,10 +169,11 @@ METHODS = {
 
 
 def part3(args):
-    print(f"\n## 3. Held-out reward at equal rollout compute (tiny model, {args.seeds} seeds each)\n")
+    print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} seeds each)\n")
+    # 12 held-out prompts x 8 noise seeds: 96 images an evaluation, so a success rate moves in steps of 0.01
     base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration", "4", "--overwrite",
-            "--checkpoint-every", "100000"]
-    curves = {}
+            "--checkpoint-every", "100000", "--eval-seeds", "8"]
+    curves, started = {}, time.time()
     for name, flags in METHODS.items():
         # rollout NFE per iteration of this method, counted, sets its iteration count for the shared budget
         per_iter = _nfe_per_iteration(flags)
@@ -186,27 +187,34 @@ def part3(args):
             for r in rows:
                 nfe += r.get("perf/nfe", 0)
                 wall += r.get("time/iteration", 0.0)
-                if "eval/reward/shapes" in r:
-                    points.append((nfe, wall, r["eval/reward/shapes"]))
+                if "eval/success/shapes" in r:
+                    points.append((nfe, wall, r["eval/success/shapes"], r["eval/reward/shapes"]))
             curves.setdefault(name, []).append(points)
     fractions = (0.25, 0.5, 1.0)
-    print("| method | " + " | ".join(f"{int(f * 100)} % of {args.budget_nfe:,} NFE" for f in fractions)
-          + " | wall s (full budget) |")
-    print("|---|" + "---|" * (len(fractions) + 1))
-    table = {}
+    print("| method | " + " | ".join(f"success at {int(f * 100)} % of {args.budget_nfe:,} NFE" for f in fractions)
+          + " | reward at 100 % | gap to G2RPO {1,2,3}: success, reward (seed stds) | wall s |")
+    print("|---|" + "---|" * (len(fractions) + 3))
+    table, reference = {}, next(iter(curves))
+    mean_std = lambda values: (float(values.mean()), float(values.std()) if len(values) > 1 else 0.0)
     for name, runs in curves.items():
-        cells = []
-        for f in fractions:
-            values = torch.tensor([_interp(run, f * args.budget_nfe) for run in runs])
-            spread = float(values.std()) if len(values) > 1 else 0.0
-            cells.append((float(values.mean()), spread))
-        wall = sum(run[-1][1] for run in runs) / len(runs)
-        table[name] = {"cells": cells, "wall": wall}
-        print(f"| {name} | " + " | ".join(f"{m:.4f} ± {s:.4f}" for m, s in cells) + f" | {wall:.0f} |")
-    start = curves[next(iter(curves))][0][0][2]
+        cells = [mean_std(torch.tensor([_interp(run, f * args.budget_nfe) for run in runs])) for f in fractions]
+        table[name] = {"cells": cells, "reward": mean_std(torch.tensor([run[-1][3] for run in runs])),
+                       "wall": sum(run[-1][1] for run in runs) / len(runs)}
+    for name, row in table.items():
+        # the gap at the full budget over the pooled seed standard deviation of the two methods (a z-like score)
+        gaps = []
+        for (mean, std), (ref_mean, ref_std) in [(row["cells"][-1], table[reference]["cells"][-1]),
+                                                 (row["reward"], table[reference]["reward"])]:
+            pooled = ((std**2 + ref_std**2) / 2) ** 0.5
+            gaps.append((mean - ref_mean) / pooled if pooled > 0 else 0.0)
+        row["gap_in_stds"] = {"success": gaps[0], "reward": gaps[1]}
+        gap = "-" if name == reference else f"{gaps[0]:+.1f}, {gaps[1]:+.1f}"
+        print(f"| {name} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in row["cells"])
+              + f" | {row['reward'][0]:.4f} ± {row['reward'][1]:.4f} | {gap} | {row['wall']:.0f} |")
+    start = curves[reference][0][0][2]
     best = max(table, key=lambda n: table[n]["cells"][-1][0])
-    print(f"\nat the full budget the highest held-out reward is {best} "
-          f"({table[best]['cells'][-1][0]:.4f}; all start at {start:.4f})")
+    print(f"\nat the full budget the highest held-out success rate is {best} ({table[best]['cells'][-1][0]:.3f}; "
+          f"all start at {start:.3f}); part 3 took {(time.time() - started) / 60:.0f} minutes")
     _plot(curves, os.path.join(args.output_dir, "learning_per_compute.png"))
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
         json.dump({"curves": curves, "table": table}, f)
@@ -249,8 +257,8 @@ def _nfe_per_iteration(flags):
 
 
 def _interp(points, nfe):
-    """Eval reward at `nfe` by linear interpolation between evaluations (the last value past the end)."""
-    for (n0, _, r0), (n1, _, r1) in zip(points, points[1:]):
+    """Eval success at `nfe` by linear interpolation between evaluations (the last value past the end)."""
+    for (n0, _, r0, _), (n1, _, r1, _) in zip(points, points[1:]):
         if n0 <= nfe <= n1:
             return r0 + (r1 - r0) * (nfe - n0) / max(1, n1 - n0)
     return points[-1][2]
@@ -265,13 +273,13 @@ def _plot(curves, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for (name, runs), colour in zip(curves.items(), [f"C{i}" for i in range(len(curves))]):
         for n, run in enumerate(runs):
-            nfe, wall, reward = zip(*run)
+            nfe, wall, reward, _ = zip(*run)
             axes[0].plot(nfe, reward, color=colour, alpha=0.8, label=name if n == 0 else None)
             axes[1].plot(wall, reward, color=colour, alpha=0.8, label=name if n == 0 else None)
     axes[0].set_xlabel("cumulative rollout NFE")
     axes[1].set_xlabel("cumulative wall time (s)")
     for ax in axes:
-        ax.set_ylabel("held-out reward (shapes)")
+        ax.set_ylabel("held-out success rate")
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
