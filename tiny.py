@@ -13,7 +13,9 @@ The reward (`shape_reward`) reads the prompt and scores the pixels, each term in
   position: whether the foreground's centre of mass lies in the named half,
   shape:    how the foreground fills its bounding box (square 1.0, circle pi/4, triangle 1/2) against the named one.
 A flow model cannot saturate it by a global trick: it must get all three attributes of each prompt right at once,
-and blur, stray pixels or two blobs lower the shape and colour terms.
+and blur, stray pixels or two blobs lower the shape and colour terms. `shape_success` is the strict pass that
+evaluations report as a success rate, GenEval-style: exactly one object of the named colour, of the named shape, in
+the named half.
 """
 import hashlib
 import itertools
