@@ -206,9 +206,9 @@ def part3(args):
         for (mean, std), (ref_mean, ref_std) in [(row["cells"][-1], table[reference]["cells"][-1]),
                                                  (row["reward"], table[reference]["reward"])]:
             pooled = ((std**2 + ref_std**2) / 2) ** 0.5
-            gaps.append((mean - ref_mean) / pooled if pooled > 0 else 0.0)
-        row["gap_in_stds"] = {"success": gaps[0], "reward": gaps[1]}
-        gap = "-" if name == reference else f"{gaps[0]:+.1f}, {gaps[1]:+.1f}"
+            gaps.append((mean - ref_mean) / pooled if pooled > 0 else float("nan"))  # nan: one seed, no spread
+        row["gap_in_stds"] = {k: g if g == g else None for k, g in zip(("success", "reward"), gaps)}
+        gap = "-" if name == reference else ", ".join("n/a" if g != g else f"{g:+.1f}" for g in gaps)
         print(f"| {name} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in row["cells"])
               + f" | {row['reward'][0]:.4f} ± {row['reward'][1]:.4f} | {gap} | {row['wall']:.0f} |")
     start = curves[reference][0][0][2]

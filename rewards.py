@@ -14,7 +14,7 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | aesthetic     | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head | MLP(normalised image features)    |
 | imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
-| shapes        | none: the tiny world's pixel rule (tiny.py)                  | objects, counts, relations in [0, 1] |
+| shapes        | none: the tiny world's pixel rule (tiny.py)                  | colour, position, shape in [0, 1] |
 
 Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
 reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
@@ -81,10 +81,10 @@ def _load_state_dict(path: str):
     return state.get("state_dict", state) if isinstance(state, dict) else state
 
 
-def over_frames(fn, every: int = 1):
+def over_frames(fn, every: int = 1, strict: bool = False):
     """An image reward that also scores videos (N, 3, F, H, W): the mean over every `every`-th frame (this project's
-    choice, deviation 13; a video-native reward would also see motion and consistency across frames). Images pass
-    through."""
+    choice, deviation 13; a video-native reward would also see motion and consistency across frames); a strict
+    pass (`strict`), the least, so a video passes only when every scored frame does. Images pass through."""
 
     def reward(images, prompts):
         if images.ndim == 4:
@@ -92,11 +92,18 @@ def over_frames(fn, every: int = 1):
         frames = images[:, :, ::every]  # (N, 3, F_k, H, W)
         N, F = frames.shape[0], frames.shape[2]
         flat = frames.transpose(1, 2).flatten(0, 1)  # (N F_k, 3, H, W)
-        return fn(flat, [p for p in prompts for _ in range(F)]).view(N, F).mean(1)
+        scores = fn(flat, [p for p in prompts for _ in range(F)]).view(N, F)
+        return scores.amin(1) if strict else scores.mean(1)
 
     if hasattr(fn, "success"):  # a strict pass rides along (the tiny world's success rate)
-        reward.success = over_frames(fn.success, every)
+        reward.success = over_frames(fn.success, every, strict=True)
     return reward
+
+
+def success_fns(reward_fns: dict) -> dict:
+    """The strict passes of the rewards that have one (the tiny world's `shapes`), by reward name: fn(images,
+    prompts) -> (N,) of 1.0 or 0.0. Evaluations average them into success rates."""
+    return {name: fn.success for name, fn in reward_fns.items() if hasattr(fn, "success")}
 
 
 def _batched(fn, batch_size):
@@ -242,8 +249,8 @@ def imagereward(device, dtype, batch_size, paths):
 
 
 def shapes(device, dtype, batch_size, paths):
-    """The tiny world's rule: do the pixels show the objects, colours, counts and relations the caption names
-    (tiny.py). It carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
+    """The tiny world's rule: does the image show the colour, shape and position its prompt names (tiny.py). It
+    carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
     from tiny import shape_reward, shape_success
 
     reward = _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)

@@ -343,7 +343,7 @@ class Run:
         for name in reward_names:
             b, a = before.get(f"eval/success/{name}"), after.get(f"eval/success/{name}")
             if b is not None and a is not None:
-                self.log(f"held-out success rate ({name}, every object right): {b:.3f} -> {a:.3f}")
+                self.log(f"held-out success rate ({name}, strict pass): {b:.3f} -> {a:.3f}")
         samples = os.path.join(self.out, "samples")
         first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))
         if os.path.exists(first) and os.path.exists(final):

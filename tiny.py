@@ -75,17 +75,24 @@ def render(prompts, generator):
     return images
 
 
+def _background_distance(images):
+    """How far each pixel's colour is from the background's (the median of the border pixels): (N, H, W)."""
+    border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
+    return (images - border.median(dim=-1).values[:, :, None, None]).norm(dim=1)
+
+
+def _pixel_centres(H, W, device):
+    """The y and x coordinates of the pixel centres, each (H, W)."""
+    return torch.meshgrid(torch.arange(H, device=device) + 0.5, torch.arange(W, device=device) + 0.5, indexing="ij")
+
+
 def shape_scores(images, prompts):
     """Per-image (colour, position, shape) scores, (N, 3), each in [0, 1]; all 0 for an image with no foreground."""
     images = images.float()
     N, _, H, W = images.shape
-    border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
-    background = border.median(dim=-1).values  # (N, 3)
-    dist = (images - background[:, :, None, None]).norm(dim=1)  # (N, H, W)
-    mask = ((dist - 0.2) / 0.2).clamp(0, 1)  # soft foreground
+    mask = ((_background_distance(images) - 0.2) / 0.2).clamp(0, 1)  # soft foreground, (N, H, W)
     area = mask.sum((1, 2)).clamp_min(1e-6)  # (N,)
-    ys, xs = torch.meshgrid(torch.arange(H, device=images.device) + 0.5,
-                            torch.arange(W, device=images.device) + 0.5, indexing="ij")
+    ys, xs = _pixel_centres(H, W, images.device)
     cx, cy = (mask * xs).sum((1, 2)) / area, (mask * ys).sum((1, 2)) / area  # (N,)
     # soft bounding box: how many rows and columns the foreground occupies (a smooth function of the pixels)
     height, width = mask.amax(2).sum(1), mask.amax(1).sum(1)  # (N,), (N,)
@@ -129,24 +136,29 @@ def _blobs(mask):
 
 def shape_success(images, prompts):
     """The strict, GenEval-style pass of each image, 1.0 or 0.0, (N,): the named colour shows exactly one object
-    (a connected blob of at least MIN_AREA pixels), its fill is nearest the named shape's, and its centre lies at
-    least 2 pixels into the named half. Averaged over images, the success rate."""
-    images = images.float().cpu()
+    (a connected blob of at least MIN_AREA pixels), its fill is nearest the named shape's, and its centre lies more
+    than 2 pixels into the named half; objects of other colours are not counted. NaN for an image with non-finite
+    pixels. Averaged over images, the success rate."""
+    device, images = images.device, images.float().cpu()
     N, _, H, W = images.shape
-    border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
-    foreground = (images - border.median(dim=-1).values[:, :, None, None]).norm(dim=1) > 0.2  # (N, H, W)
+    foreground = _background_distance(images) > 0.2  # (N, H, W), the hard version of shape_scores' soft mask
     palette = torch.tensor(list(COLOURS.values()))  # (4, 3)
-    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W)
-    ys, xs = torch.meshgrid(torch.arange(H) + 0.5, torch.arange(W) + 0.5, indexing="ij")
+    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
+    ys, xs = _pixel_centres(H, W, "cpu")
     passes = torch.zeros(N)
     for i, prompt in enumerate(prompts):
         colour, shape, position = parse(prompt)
+        if not images[i].isfinite().all():
+            passes[i] = float("nan")  # no verdict on a broken image, as the reward gives none
+            continue
         if None in (colour, shape, position):
             continue
         c = list(COLOURS).index(colour)
+        # a pixel of the named colour: nearest to it of the palette, and within 0.15 (squared RGB distance; the
+        # palette colours are at least 0.5 apart, the VAE's colour errors on clean shapes under 0.05)
         mine = foreground[i] & (distance[i, c] < 0.15) & (distance[i].argmin(0) == c)
         labels = _blobs(mine[None])[0]
-        blobs = [labels == v for v in labels.unique()[1:] if int((labels == v).sum()) >= MIN_AREA]
+        blobs = [labels == v for v in labels.unique() if v > 0 and int((labels == v).sum()) >= MIN_AREA]
         if len(blobs) != 1:
             continue
         m = blobs[0]
@@ -155,8 +167,8 @@ def shape_success(images, prompts):
         x, y = float(xs[m].mean()), float(ys[m].mean())
         offset = {"left": W / 2 - x, "right": x - W / 2, "top": H / 2 - y, "bottom": y - H / 2}[position]
         nearest = min(SHAPES, key=lambda s: abs(SHAPES[s] - fill))
-        passes[i] = float(nearest == shape and offset > 2.0)
-    return passes.to(images.device)
+        passes[i] = float(nearest == shape and offset > 2.0)  # drawn centres sit 5.5-7.5 pixels in
+    return passes.to(device)
 
 
 # --- building the tiny pipeline -------------------------------------------------------------------------------

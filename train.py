@@ -296,10 +296,9 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
     # every reward's score, and the strict pass of those that have one (the tiny world's success rate)
-    fns = {**{name: fn for name, fn in policy.reward_fns.items()},
-           **{f"success/{name}": fn.success for name, fn in policy.reward_fns.items() if hasattr(fn, "success")}}
-    names = list(fns)
-    per_seed = torch.zeros(len(names), args.eval_seeds, 2, dtype=torch.float64)  # (R, seeds, (sum, count))
+    fns = {**{f"reward/{name}": fn for name, fn in policy.reward_fns.items()},
+           **{f"success/{name}": fn for name, fn in rewards.success_fns(policy.reward_fns).items()}}
+    per_seed = torch.zeros(len(fns), args.eval_seeds, 2, dtype=torch.float64)  # (R, seeds, (sum, count))
     grid = []
     if policy.ema is not None:
         policy.ema.swap()
@@ -327,10 +326,10 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     if distributed:
         dist.all_reduce(per_seed)
     metrics = {}
-    for r, name in enumerate(names):
+    for r, key in enumerate(fns):
         means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
-        kind, name = ("success", name[8:]) if name.startswith("success/") else ("reward", name)
-        metrics[f"eval/{kind}/{name}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
+        kind, name = key.split("/", 1)
+        metrics[f"eval/{key}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
         metrics[f"eval/{kind}_seed_std/{name}"] = float(means.std()) if args.eval_seeds > 1 else 0.0
     return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
 

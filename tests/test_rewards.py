@@ -187,6 +187,11 @@ def test_shapes_success_is_strict_on_hand_made_images():
     speck = images[0].clone()
     speck[:, 30:32, 30:32] = torch.tensor(tiny.COLOURS["red"])[:, None, None]  # 4 pixels: a speck, not an object
     assert success(speck[None], prompts[:1]).eq(1).all()
+    broken = images[:2].clone()
+    broken[0, 0, 0, 0] = float("nan")
+    assert success(broken, prompts[:2]).isnan().tolist() == [True, False]  # no verdict, as the reward gives none
+    video = torch.stack([images[:2], torch.full_like(images[:2], 0.1)], 2)  # (2, 3, F 2, H, W): a blank 2nd frame
+    assert load_reward("shapes", frames_every=1).success(video, prompts[:2]).eq(0).all()  # every frame must pass
 
 
 def test_reward_errors(tmp_path):
