@@ -145,20 +145,20 @@ def shape_success(images, prompts):
     palette = torch.tensor(list(COLOURS.values()))  # (4, 3)
     distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
     ys, xs = _pixel_centres(H, W, "cpu")
+    parsed = [parse(p) for p in prompts]
+    named = torch.tensor([list(COLOURS).index(c) if c in COLOURS else 0 for c, _, _ in parsed])  # (N,)
+    # a pixel of the named colour: nearest to it of the palette, and within 0.15 (squared RGB distance; the palette
+    # colours are at least 0.5 apart, the VAE's colour errors on clean shapes under 0.05)
+    near = distance.gather(1, named[:, None, None, None].expand(N, 1, H, W))[:, 0]  # (N, H, W)
+    labels = _blobs(foreground & (near < 0.15) & (distance.argmin(1) == named[:, None, None]))  # every image at once
     passes = torch.zeros(N)
-    for i, prompt in enumerate(prompts):
-        colour, shape, position = parse(prompt)
+    for i, (colour, shape, position) in enumerate(parsed):
         if not images[i].isfinite().all():
             passes[i] = float("nan")  # no verdict on a broken image, as the reward gives none
             continue
         if None in (colour, shape, position):
             continue
-        c = list(COLOURS).index(colour)
-        # a pixel of the named colour: nearest to it of the palette, and within 0.15 (squared RGB distance; the
-        # palette colours are at least 0.5 apart, the VAE's colour errors on clean shapes under 0.05)
-        mine = foreground[i] & (distance[i, c] < 0.15) & (distance[i].argmin(0) == c)
-        labels = _blobs(mine[None])[0]
-        blobs = [labels == v for v in labels.unique() if v > 0 and int((labels == v).sum()) >= MIN_AREA]
+        blobs = [m for m in (labels[i] == v for v in labels[i].unique() if v > 0) if int(m.sum()) >= MIN_AREA]
         if len(blobs) != 1:
             continue
         m = blobs[0]
