@@ -175,7 +175,7 @@ def test_an_image_reward_scores_a_video_as_the_mean_over_its_frames():
     import tiny
     from rewards import load_reward
 
-    prompts = ["a red circle on the left", "a blue square on the top"]
+    prompts = ["a red circle on the left", "a blue bar on the top"]
     frames = [tiny.render(prompts, torch.Generator().manual_seed(s)) for s in range(4)]  # 4 frames of 2 videos
     frames[1][0] = 0.1  # an empty frame in the first video
     video = torch.stack(frames, 2)  # (2, 3, 4, 32, 32)

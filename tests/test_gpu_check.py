@@ -172,7 +172,7 @@ def test_regional_compilation_gives_the_same_velocity_and_gradient():
         grads.append(torch.cat([p.grad.flatten() for p in adapter.transformer.parameters() if p.grad is not None]))
     assert compiled.transformer.transformer_blocks[0]._compiled_call_impl is not None
     assert eager.transformer.transformer_blocks[0]._compiled_call_impl is None
-    cond = eager.encode(["a blue square on the top"])
+    cond = eager.encode(["a blue bar on the top"])
     latents = eager.noise([torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)], RESOLUTION)
     sigma, index = torch.tensor([0.9, 0.4]), torch.zeros(2, dtype=torch.long)
     with torch.no_grad():

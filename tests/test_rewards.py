@@ -16,7 +16,7 @@ from PIL import Image
 import rewards
 from rewards import RewardError, load_reward, parse_rewards, preprocess
 
-PROMPTS = ["a red circle on the left", "a blue square on the top", "a green triangle on the right"]
+PROMPTS = ["a red circle on the left", "a blue bar on the top", "a green pillar on the right"]
 
 
 def smooth_images(n=3, h=64, w=48, seed=0):
@@ -177,7 +177,8 @@ def test_shapes_success_is_strict_on_hand_made_images():
     assert success(images, prompts).eq(1).all()  # every drawn caption passes
     swap = lambda i, a, b: prompts[i].replace(a, b)
     # each failure mode fails the pass: the wrong shape, half or colour, no object, two objects
-    assert success(images[:4], [swap(i, "circle", "square") for i in range(4)]).eq(0).all()
+    assert success(images[:4], [swap(i, "circle", "bar") for i in range(4)]).eq(0).all()
+    assert success(images[4:8], [swap(i, "bar", "pillar") for i in range(4, 8)]).eq(0).all()
     opposite = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
     assert success(images[:4], [swap(i, p, opposite[p]) for i, p in enumerate(opposite)]).eq(0).all()
     assert success(images[:4], [swap(i, "red", "blue") for i in range(4)]).eq(0).all()

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import tiny
 from conftest import run_train
@@ -52,6 +53,10 @@ def test_prompt_sets_are_disjoint_and_shipped():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert open(os.path.join(root, "prompts", "tiny_train.txt")).read().split("\n")[:-1] == train
     assert open(os.path.join(root, "prompts", "tiny_eval.txt")).read().split("\n")[:-1] == held
+    # every pair of attributes of a held-out prompt is trained (a Latin square), so it is new only as a triple
+    trained = lambda pair: sum(set(pair) <= set(tiny.parse(p)) for p in train)
+    for c, s, h in map(tiny.parse, held):
+        assert min(trained((c, s)), trained((c, h)), trained((s, h))) >= 2, (c, s, h)
 
 
 SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteration", "8", "--checkpoint-every", "1000"]
