@@ -34,7 +34,7 @@ class Args:
     """Which parts to run."""
     seeds: int = 5
     """Training seeds per method in part 3."""
-    budget_nfe: int = 20_000
+    budget_nfe: int = 40_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all)."""
     output_dir: str = "runs/bench"
     """Where part 3's runs, its table (JSON) and plot go."""
