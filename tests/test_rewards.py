@@ -163,8 +163,19 @@ def test_shapes_reward_prefers_the_named_attributes():
     fn = load_reward("shapes")
     good = check_reward(fn, right, prompts)
     assert ((good >= 0) & (good <= 1)).all() and good.mean() > 0.85
-    wrong = fn(right, prompts[12:] + prompts[:12])  # another shape for every image
+    wrong = fn(right, prompts[12:] + prompts[:12])  # another colour for every image
     assert wrong.mean() < good.mean() - 0.1
+    # each term answers to its own attribute: (colour, position, shape) scores against the drawn captions' and
+    # against captions that change only the colour, only the half or only the shape
+    change = {"red": "green", "green": "blue", "blue": "yellow", "yellow": "red", "left": "right", "right": "left",
+              "top": "bottom", "bottom": "top", "circle": "bar", "bar": "pillar", "pillar": "circle"}
+    scores = tiny.shape_scores(right, prompts)
+    for column, words in enumerate([tiny.COLOURS, tiny.POSITIONS, tiny.SHAPES]):
+        changed = [" ".join(change[w] if w in words else w for w in p.split()) for p in prompts]
+        other = tiny.shape_scores(right, changed)
+        assert (other[:, column] < scores[:, column] - 0.3).all(), (column, other[:, column], scores[:, column])
+        assert torch.allclose(other[:, [c for c in range(3) if c != column]],
+                              scores[:, [c for c in range(3) if c != column]])
     assert fn(torch.zeros(2, 3, 32, 32), prompts[:2]).eq(0).all()  # no foreground, no reward
 
 
