@@ -83,7 +83,7 @@ class BaseArgs:
     num_prompts: int = 0
     """Evaluate only the first this many prompts; 0 = all."""
     seeds: Optional[int] = None
-    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 3, as its training eval)."""
+    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 8, as its training eval)."""
     metrics: list[str] = field(default_factory=list)
     """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
     hps clip pickscore imagereward; shapes for tiny)."""

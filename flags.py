@@ -183,7 +183,7 @@ PRESETS = {
     "wan": dict(model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, max_sequence_length=512, resolution=480,
                 num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3], group_size=8,
                 max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
-    # fp32 on every device (deviation 12): bf16 costs this small model a tenth of its held-out reward. 8 eval seeds:
+    # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
     # 96 held-out images, so the success rate's standard error is about 0.05
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,

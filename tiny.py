@@ -8,19 +8,19 @@ is a real diffusers `FluxPipeline`: a `FluxTransformer2DModel`, an `AutoencoderK
 their tokenizers, all small and built from configs, so `--model tiny` drives the same adapter and code as FLUX.1.
 
 Pre-training (the VAE as an autoencoder, then the transformer by flow matching) takes about 1.5 minutes on 2 CPU
-cores. It leaves headroom: the base model draws the named shape only roughly (a bar too narrow, a pillar too short)
-and misses the named half now and then, which a reward can correct. The result is saved with `save_pretrained` into
-a cache folder named by its seed and settings, with a checksum file, and loaded from there with
-`FluxPipeline.from_pretrained` like any other model.
+cores. It leaves headroom: the base model draws the named shape only roughly (a bar not wide enough, a pillar not
+tall enough) and misses the named half now and then, which a reward can correct. The result is saved with
+`save_pretrained` into a cache folder named by its seed and settings, with a checksum file, and loaded from there
+with `FluxPipeline.from_pretrained` like any other model.
 
 The reward (`shape_reward`) reads the prompt and scores the pixels, each term in [0, 1], averaged:
   colour:   how close the foreground pixels are to the named colour,
   position: whether the foreground's centre of mass lies in the named half,
   shape:    how close the foreground's bounding box's height / width is to the named shape's (on a log scale).
 A flow model cannot saturate it by a global trick: it must get all three attributes of each prompt right at once,
-and blur, stray pixels or two blobs lower the shape and colour terms. `shape_success` is the strict pass that
-evaluations report as a success rate, GenEval-style: exactly one object of the named colour, of the named shape, in
-the named half.
+and blur (which pulls a bar's or pillar's height / width toward 1), stray pixels or two blobs lower the shape and
+colour terms. `shape_success` is the strict pass that evaluations report as a success rate, GenEval-style: exactly
+one object of the named colour, of the named shape, in the named half.
 """
 import hashlib
 import itertools
@@ -44,14 +44,13 @@ def all_prompts():
 
 
 def prompt_split():
-    """(train, held-out): 36 and 12 of the 48 attribute combinations; RL never sees the held-out ones. A Latin
-    square: combination (colour c, shape s, half h) is held out when c + s + h is a multiple of 4, so every colour,
-    every shape and every pair of them is trained in three of the four halves. (Holding out one half per colour
-    instead, say every red shape on the left, makes RL teach red to leave the left half, and the held-out prompts
-    get worse as the training ones get better.)"""
-    prompts = all_prompts()  # n = 12 c + 4 s + h
-    held = [p for n, p in enumerate(prompts) if (n // 12 + n // 4 % 3 + n % 4) % 4 == 0]
-    return [p for p in prompts if p not in held], held
+    """(train, held-out): 36 and 12 of the 48 attribute combinations; RL never sees the held-out ones. Combination
+    (colour c, shape s, half h) is held out when c + s + h is a multiple of 4: a Latin square on colour x half whose
+    symbols are the shapes (the fourth symbol holds nothing out). Every pair of a held-out prompt's attributes is
+    trained, only the triple is new (README, "Performance", on why a split that holds out one half per colour fails)."""
+    held = [f"a {colour} {shape} on the {half}" for (c, colour), (s, shape), (h, half)
+            in itertools.product(enumerate(COLOURS), enumerate(SHAPES), enumerate(POSITIONS)) if (c + s + h) % 4 == 0]
+    return [p for p in all_prompts() if p not in held], held
 
 
 def parse(prompt):
@@ -118,7 +117,7 @@ def shape_scores(images, prompts):
     # position: the centre of mass at least a few pixels into the named half (left, right, top, bottom)
     offsets = torch.stack([W / 2 - cx, cx - W / 2, H / 2 - cy, cy - H / 2], 1)  # (N, 4)
     position = torch.sigmoid((offsets.gather(1, side[:, None]).squeeze(1) - 3) / 1.5)
-    # shape: the height / width of the bounding box against the named shape's, on a log scale (a smooth bump)
+    # shape = exp(-(ln(aspect / named aspect) / 0.4)^2): 1 at the named shape, 0.005 at the next (ln 2.5 apart)
     shape = torch.exp(-((torch.log(aspect / aspect_target) / 0.4) ** 2))
     return torch.stack([colour, position, shape], 1) * valid[:, None]  # (N, 3)
 
@@ -146,9 +145,8 @@ def _blobs(mask):
 def shape_success(images, prompts):
     """The strict, GenEval-style pass of each image, 1.0 or 0.0, (N,): the named colour shows exactly one object
     (a connected blob of at least MIN_AREA pixels), its bounding box's height / width is nearest the named shape's
-    (on a log scale), and its centre lies more
-    than 2 pixels into the named half; objects of other colours are not counted. NaN for an image with non-finite
-    pixels. Averaged over images, the success rate."""
+    on a log scale, and its centre lies more than 2 pixels into the named half; objects of other colours are not
+    counted. NaN for an image with non-finite pixels. Averaged over images, the success rate."""
     device, images = images.device, images.float().cpu()
     N, _, H, W = images.shape
     foreground = _background_distance(images) > 0.2  # (N, H, W), the hard version of shape_scores' soft mask
@@ -313,8 +311,7 @@ def ensure_pretrained_on_ranks(cache_dir: str, log=print) -> str:
     return path or ensure_pretrained(cache_dir, log=lambda *a: None)
 
 
-def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_steps: int = 700,
-                      log=print) -> str:
+def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_steps: int = 700, log=print) -> str:
     """The folder of the pre-trained tiny pipeline for these settings, pre-training it first when it is missing
     or its files fail their checksum (a corrupted cache is rebuilt, never loaded)."""
     folder = os.path.join(os.path.abspath(cache_dir), f"tiny-v{VERSION}-seed{seed}-vae{vae_steps}-flow{flow_steps}")
