@@ -272,10 +272,15 @@ def _plot(curves, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for (name, runs), colour in zip(curves.items(), [f"C{i}" for i in range(len(curves))]):
-        for n, run in enumerate(runs):
-            nfe, wall, reward, _ = zip(*run)
-            axes[0].plot(nfe, reward, color=colour, alpha=0.8, label=name if n == 0 else None)
-            axes[1].plot(wall, reward, color=colour, alpha=0.8, label=name if n == 0 else None)
+        for run in runs:  # every seed, faint
+            nfe, wall, success, _ = zip(*run)
+            axes[0].plot(nfe, success, color=colour, alpha=0.15)
+            axes[1].plot(wall, success, color=colour, alpha=0.15)
+        # the mean over seeds at each evaluation (the seeds of a method evaluate at the same NFE)
+        mean = torch.tensor([[point[:3] for point in run] for run in runs], dtype=torch.float64).mean(0)
+        axes[0].plot(mean[:, 0], mean[:, 2], color=colour, linewidth=2, marker="o", markersize=3, label=name)
+        axes[1].plot(mean[:, 1], mean[:, 2], color=colour, linewidth=2, marker="o", markersize=3, label=name)
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     axes[0].set_xlabel("cumulative rollout NFE")
     axes[1].set_xlabel("cumulative wall time (s)")
     for ax in axes:
