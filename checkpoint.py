@@ -64,7 +64,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance", "max_sequence_length",
                "eta", "resolution", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
-               "window_every", "window_random", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames"]
+               "window_every", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames",
+               # the baselines' axes (README "Baselines"); a configuration written before them ran their defaults
+               "window_schedule", "window_end", "method", "sde_type", "decode", "timestep_fraction", "adv_std",
+               "same_noise", "kl_form", "reward_fusion"]
+AXIS_DEFAULTS = dict(window_schedule="wrap", window_end=0, method="g2rpo", sde_type="flow", decode="sample",
+                     timestep_fraction=1.0, adv_std="group", same_noise=True, kl_form="exact",
+                     reward_fusion="advantage")
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32
@@ -341,8 +347,9 @@ def read_trainer_state(path):
 def incompatible(saved: dict, current: dict):
     """The first config field that differs between a checkpoint and this run, or None."""
     for key in RESUME_KEYS:
-        if json.dumps(saved.get(key)) != json.dumps(current.get(key)):
-            return key, saved.get(key), current.get(key)
+        before = saved.get(key, AXIS_DEFAULTS.get(key))
+        if json.dumps(before) != json.dumps(current.get(key)):
+            return key, before, current.get(key)
     return None
 
 

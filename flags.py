@@ -91,17 +91,53 @@ class TrainArgs:
     granularities: list[int] = field(default_factory=lambda: [1, 2, 3])
     """Lambda, ODE strides of the completions (paper {1, 2, 3}; released scripts {1, 2}); {1} ablates them."""
     sampling: Literal["g2rpo", "full", "mixed"] = "g2rpo"
-    """g2rpo; full: G full SDE trajectories per prompt, one reward broadcast to the trained --sde-steps (DanceGRPO /
-    Flow-GRPO); mixed: SDE only inside a window of steps, ODE elsewhere, the window trained (MixGRPO / Flow-GRPO-Fast;
-    --sde-steps is then unused)."""
+    """g2rpo; full: G full SDE trajectories per prompt, one reward broadcast to the trained --sde-steps (DanceGRPO,
+    Flow-GRPO); mixed: SDE only inside a window of steps, ODE elsewhere, the window trained (MixGRPO,
+    Flow-GRPO-Fast; --sde-steps is then unused). --method sets it with the rest of a peer's recipe."""
     window_size: int = 4
-    """mixed: SDE steps in the window (MixGRPO 4; Flow-GRPO-Fast 1-2)."""
+    """mixed: SDE steps in the window (MixGRPO 4 of 25 steps; Flow-GRPO-Fast 3)."""
     window_stride: int = 1
-    """mixed: steps the sliding window moves at each shift (wrapping round at the end of the schedule)."""
+    """mixed: steps the sliding window moves at each shift (MixGRPO 1, its overlapping progressive window)."""
     window_every: int = 25
-    """mixed: iterations between two shifts of the sliding window."""
-    window_random: bool = False
-    """mixed: draw the window afresh every iteration instead of sliding it (Flow-GRPO-Fast)."""
+    """mixed: iterations between two shifts of the sliding window (MixGRPO 25)."""
+    window_schedule: Literal["wrap", "mixgrpo", "random"] = "wrap"
+    """mixed: how the window moves. wrap: full-size windows sliding over steps 0..N-1 and wrapping round; mixgrpo:
+    MixGRPO's own, range(start, min(start + size, N - 2)), so it shrinks at the end, is empty once, never reaches the
+    last two steps, and rolls back to 0 (an empty window's iteration samples ODE only and takes no update); random:
+    drawn afresh every iteration within steps 0..--window-end - 1 (Flow-GRPO-Fast)."""
+    window_end: int = 0
+    """mixed, random window: it lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2); 0 = N."""
+    # --- the peers' algorithm axes (--method sets all of them; README "Baselines") ---
+    method: Literal["g2rpo", "dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"] = "g2rpo"
+    """A named recipe: G2RPO or a peer as its authors run it (METHODS below). It sets every axis of this block and
+    --sampling, --eta, the trained steps and the window; with --model flux also the peer's published sizes (G, N,
+    resolution, lr, clip range, LoRA). Any flag given overrides it."""
+    sde_type: Literal["flow", "dance", "cps"] = "flow"
+    """The SDE step. flow: std_dev = eta sqrt(sigma / (1 - sigma)) (Flow-GRPO, G2RPO, MixGRPO); dance: std_dev = eta,
+    a constant, so the noise std is eta sqrt(-dt) (DanceGRPO, eta 0.3); cps: Flow-GRPO's coefficients-preserving
+    step, noise std sigma' sin(eta pi / 2), log-prob without its 1 / (2 std^2) (Flow-GRPO-Fast, eta 0.8, clip 1e-5)."""
+    decode: Literal["sample", "x0"] = "sample"
+    """full / mixed: the latent a trajectory's image is decoded from: its final sample, or the x0_hat = x - sigma v
+    of its last step (DanceGRPO)."""
+    timestep_fraction: float = 1.0
+    """The share of --sde-steps each member trains: below 1, every member trains its own random int(fraction * |M|)
+    of them, drawn each iteration (DanceGRPO 0.6 of steps 0..N-2: 9 of 15); 1 = all, for every member."""
+    adv_std: Literal["group", "global"] = "group"
+    """The advantage's denominator: group, each group's unbiased std + 1e-8 (G2RPO, DanceGRPO, MixGRPO); global,
+    the population std of every reward of the iteration, gathered over ranks, + 1e-4 (Flow-GRPO's global_std)."""
+    same_noise: bool = True
+    """The G members of a prompt share the initial noise x_T (G2RPO, which needs it, DanceGRPO, MixGRPO); False:
+    each member draws its own (Flow-GRPO's same_latent=False)."""
+    kl_form: Literal["exact", "flow-grpo"] = "exact"
+    """The KL term's form: exact, the step's Gaussian KL |mean - mean_ref|^2 / (2 std_dev^2 (-dt)); flow-grpo, its
+    kl_loss |mean - mean_ref|^2 / (2 std_dev^2), which is the exact one times -dt (6-46x smaller at N 16)."""
+    reward_fusion: Literal["advantage", "score"] = "advantage"
+    """Several rewards: advantage, each normalised in its group, then the weighted sum (G2RPO, DanceGRPO,
+    MixGRPO); score, the weighted sum of the raw scores, normalised once (Flow-GRPO's multi_score)."""
+    member_chunks: int = 1
+    """With --no-step-per-sde-step: the members of each group split into this many chunks, one optimizer step
+    each on the gradient accumulated over its members and trained steps (DanceGRPO 3, Flow-GRPO 2, MixGRPO 4;
+    1 = one step an iteration)."""
     prompts_per_iteration: int = 0
     """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
     max_batch: int = 24
@@ -125,11 +161,13 @@ class TrainArgs:
     max_grad_norm: float = 1.0
     """Gradient-norm clip (reference 1.0)."""
     step_per_sde_step: bool = True
-    """One optimizer step per trained step k (the reference scripts); False: one step on the loss averaged over
-    k (the paper's objective)."""
+    """One optimizer step per trained step k (the G2RPO reference scripts); False: the gradients of every trained
+    step accumulate into --member-chunks steps an iteration (1: the paper's objective averaged over k)."""
     kl_beta: float = 0.0
-    """beta, weight of the KL to the base model per trained step (0 in the reference; Flow-GRPO uses 0.01-0.04 on
-    SD3.5). LoRA: the base is the model with its adapter off; full fine-tune: a frozen copy (twice the weights)."""
+    """beta, weight of the KL to the base model per trained step (0 in the reference). Its scale depends on
+    --kl-form: Flow-GRPO's 0.01-0.04 on SD3.5 are for --kl-form flow-grpo; the exact form is 1 / (-dt) times larger,
+    so the same pull takes a beta 6-46x smaller at N 16. LoRA: the base is the model with its adapter off; full
+    fine-tune: a frozen copy (twice the weights)."""
     ema_decay: float = 0.0
     """Decay of an EMA of the trained weights used for evaluation and saved in checkpoints (0 = off; typ. 0.9-0.995)."""
     ema_every: int = 1
@@ -190,30 +228,113 @@ PRESETS = {
                  rewards=["shapes=1.0"], num_iterations=80, lr=1e-4, weight_decay=0.0, clip_range=1e-3,
                  eval_every=20, eval_seeds=8, eval_prompts=0, checkpoint_every=40, gradient_checkpointing=False,
                  mixed_precision="no", prompt_file="prompts/tiny_train.txt",
-                 eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0),
+                 eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
+                 window_size=2, window_every=4),  # a window for its 8 steps and 80 iterations (--sampling mixed)
 }
 
 
-def parse_args(argv=None, args_class=None):
-    """`--model` picks a preset of defaults; every other flag overrides it (and --help shows the preset's values).
-    `args_class`: a dataclass derived from Args, for a script that takes these flags and more (plan.py)."""
-    argv = sys.argv[1:] if argv is None else argv
-    model = "flux"
+# ---------------------------------------------------------------------------------------------------------------
+# --method: G2RPO and its peers as their authors run them (README "Baselines" gives each value's source file)
+# ---------------------------------------------------------------------------------------------------------------
+# The algorithm: what every recipe sets, on every --model (G2RPO's values are the defaults above)
+G2RPO_ALGORITHM = dict(sampling="g2rpo", sde_type="flow", eta=0.7, decode="sample", timestep_fraction=1.0,
+                       adv_std="group", same_noise=True, kl_form="exact", reward_fusion="advantage",
+                       step_per_sde_step=True, member_chunks=1, window_schedule="wrap")
+ALL_BUT_LAST = lambda n: list(range(n - 1))  # steps 0..N-2: the peers never train the step into sigma = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    algorithm: dict  # set on every --model
+    scale: dict  # the peer's published FLUX.1 run: set with --model flux only (other presets keep their sizes)
+    per_steps: dict = field(default_factory=dict)  # values that follow N, computed from the run's --num-steps
+
+
+METHODS = {
+    "g2rpo": Recipe(G2RPO_ALGORITHM, {}),
+    # DanceGRPO, scripts/finetune/finetune_flux_grpo.sh and fastvideo/train_grpo_flux.py
+    "dancegrpo": Recipe(
+        {**G2RPO_ALGORITHM, "sampling": "full", "sde_type": "dance", "eta": 0.3, "decode": "x0",
+         "timestep_fraction": 0.6, "step_per_sde_step": False, "member_chunks": 3},
+        dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
+             lora_rank=0), per_steps=dict(sde_steps=ALL_BUT_LAST)),
+    # Flow-GRPO, config/grpo.py pickscore_flux and scripts/train_flux.py
+    "flow-grpo": Recipe(
+        {**G2RPO_ALGORITHM, "sampling": "full", "eta": 0.9, "adv_std": "global", "same_noise": False,
+         "kl_form": "flow-grpo", "reward_fusion": "score", "step_per_sde_step": False, "member_chunks": 2},
+        dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, clip_range=1e-4, kl_beta=0.0,
+             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True), per_steps=dict(sde_steps=ALL_BUT_LAST)),
+    # Flow-GRPO-Fast, config/grpo.py geneval_flux_fast (cps, the SDE window of 3 inside steps 0..N//2 - 1)
+    "flow-grpo-fast": Recipe(
+        {**G2RPO_ALGORITHM, "sampling": "mixed", "sde_type": "cps", "eta": 0.8, "window_schedule": "random",
+         "adv_std": "global", "same_noise": False, "kl_form": "flow-grpo", "reward_fusion": "score",
+         "step_per_sde_step": False, "member_chunks": 2},
+        dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, clip_range=1e-5, kl_beta=0.0,
+             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True, window_size=3),
+        per_steps=dict(window_end=lambda n: n // 2)),
+    # MixGRPO, scripts/finetune/finetune_flux_grpo_MixGRPO.sh (progressive window, overlap step 1, roll back)
+    "mixgrpo": Recipe(
+        {**G2RPO_ALGORITHM, "sampling": "mixed", "window_schedule": "mixgrpo", "window_stride": 1,
+         "step_per_sde_step": False, "member_chunks": 4},
+        dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
+             lora_rank=0, window_size=4, window_every=25)),
+}
+
+
+def recipe_values(method: str, model: str, num_steps: int) -> dict:
+    """Every value --method sets under --model, for a run of `num_steps` steps."""
+    recipe = METHODS[method]
+    values = {**recipe.algorithm, **(recipe.scale if model == "flux" else {})}
+    values.update({name: rule(num_steps) for name, rule in recipe.per_steps.items()})
+    return values
+
+
+def _given(argv, name: str) -> bool:
+    """Whether the command line sets the flag of field `name` (--name value or --name=value; tyro's --no-name)."""
+    spelled = {flag(name), flag(name).replace("-", "_"), "--no-" + name.replace("_", "-"), "--no_" + name}
+    return any(a.split("=", 1)[0] in spelled for a in argv)
+
+
+def _choice(argv, name: str, default: str) -> str:
     for i, a in enumerate(argv):
-        if a == "--model" and i + 1 < len(argv):
-            model = argv[i + 1]
-        elif a.startswith("--model="):
-            model = a.split("=", 1)[1]
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def parse_args(argv=None, args_class=None):
+    """`--model` picks a preset of defaults and `--method` a recipe over it; every other flag overrides both (and
+    --help shows the resulting values). `args_class`: a dataclass derived from Args, for a script that takes these
+    flags and more (plan.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
+    if method not in METHODS:
+        fail(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
     cls = args_class or Args
-    return tyro.cli(cls, args=argv, default=cls(model=model, **PRESETS[model]),
+    defaults = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method))}
+    args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **defaults),
                     description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
+    # the recipe's values that follow N, for the N this run has (a --num-steps given), unless given themselves
+    for name, rule in METHODS[method].per_steps.items():
+        if not _given(argv, name):
+            setattr(args, name, rule(args.num_steps))
+    return args
 
 
-def preset(model: str) -> dict:
-    """Every flag's value under `--model model` and no other flag: the preset over the defaults."""
-    return dataclasses.asdict(Args(model=model, **PRESETS[model]))
+def _preset_steps(model: str, method: str) -> int:
+    return {**PRESETS[model], **(METHODS[method].scale if model == "flux" else {})}.get(
+        "num_steps", TrainArgs.num_steps)
+
+
+def preset(model: str, method: str = "g2rpo") -> dict:
+    """Every flag's value under `--model model --method method` and no other flag: the recipe over the preset over
+    the defaults."""
+    values = recipe_values(method, model, _preset_steps(model, method))
+    return dataclasses.asdict(Args(model=model, method=method, **{**PRESETS[model], **values}))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,7 +362,9 @@ RULES = {
     "lr": above(0, " (typ. 2e-6 full, 1e-4 LoRA)"), "weight_decay": at_least(0),
     "clip_range": above(0, " (reference 1e-4)"), "adv_clip_max": above(0, " (reference 5)"),
     "max_grad_norm": above(0, " (reference 1)"), "window_size": at_least(1), "window_stride": at_least(1),
-    "window_every": at_least(1), "kl_beta": at_least(0, " (0 = no KL term)"),
+    "window_every": at_least(1), "window_end": at_least(0, " (0 = N)"), "kl_beta": at_least(0, " (0 = no KL term)"),
+    "timestep_fraction": ((lambda v: 0 < v <= 1), "in (0, 1] (DanceGRPO 0.6; 1 = every step)"),
+    "member_chunks": at_least(1, " (1 = one optimizer step an iteration)"),
     "ema_decay": ((lambda v: 0 <= v < 1), "in [0, 1) (0 = no EMA)"), "ema_every": at_least(1),
     "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
     "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
@@ -289,6 +412,7 @@ def check_flags(args, world: int, log=print):
         fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
     if args.window_size > args.num_steps:
         fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
+    _check_axes(args)
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
         fail(problem)
@@ -312,6 +436,34 @@ def check_flags(args, world: int, log=print):
         fail(str(err))
     _note_coinciding_granularities(args, log)
     return weights
+
+
+def _check_axes(args):
+    """The baselines' axes: combinations that cannot run, or would silently do nothing."""
+    whole = "whole trajectories (--sampling full or mixed)"
+    if not args.same_noise and args.sampling == "g2rpo":
+        fail("--no-same-noise: G2RPO's members branch off one anchor trajectory, so they share x_T; "
+             f"per-member noise is for {whole}")
+    if args.decode == "x0" and args.sampling == "g2rpo":
+        fail(f"--decode x0: G2RPO's completions end with an ODE step, whose sample is its x0_hat; --decode is for {whole}")
+    if args.sampling != "mixed" and int(args.timestep_fraction * len(args.sde_steps)) < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} of {len(args.sde_steps)} --sde-steps trains no step; "
+             f"use at least {1 / len(args.sde_steps):.3g}")
+    if args.member_chunks > 1 and args.step_per_sde_step:
+        fail(f"--member-chunks {args.member_chunks} splits the accumulated gradient, which --step-per-sde-step does "
+             f"not accumulate; add --no-step-per-sde-step")
+    if args.member_chunks > args.group_size:
+        fail(f"--member-chunks {args.member_chunks} is more than the --group-size {args.group_size} members")
+    if args.sde_type == "cps" and args.eta > 1:
+        fail(f"--eta {args.eta} with --sde-type cps: its noise std is sigma' sin(eta pi / 2), so eta lies in (0, 1] "
+             f"(Flow-GRPO-Fast 0.8)")
+    if args.sampling == "mixed" and args.window_schedule == "random" and \
+            not args.window_size <= (args.window_end or args.num_steps) <= args.num_steps:
+        fail(f"--window-end {args.window_end}: a random window of --window-size {args.window_size} needs "
+             f"{args.window_size} <= window end <= --num-steps {args.num_steps} (0 = N)")
+    if args.sampling == "mixed" and args.window_schedule == "mixgrpo" and args.num_steps < 3:
+        fail(f"--window-schedule mixgrpo keeps its window inside steps 0..N-3, which --num-steps {args.num_steps} "
+             f"does not have; use --num-steps 3 or more")
 
 
 def _note_coinciding_granularities(args, log):

@@ -21,18 +21,26 @@ import torch
 from sampler import sde_kl, sde_step
 
 
-def clipped_loss(log_probs, old_log_probs, advantages, clip_range):
-    """PPO's clipped surrogate, mean over members: max(-A r, -A clip(r, 1 - eps, 1 + eps))."""
+def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None):
+    """PPO's clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), mean over members, or with `weights` (one
+    per member) their weighted sum."""
     ratio = torch.exp(log_probs - old_log_probs)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
-    return torch.maximum(pg_loss1, pg_loss2).mean()
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)
+    return pg_loss.mean() if weights is None else (pg_loss * weights).sum()
 
 
 def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, clip_range, loss_scale, max_batch,
-                       kl_beta=0.0, reference_velocity_fn=None):
+                       kl_beta=0.0, reference_velocity_fn=None, sde_type="flow", kl_form="exact", weights=None,
+                       sync_rows=None):
     """Loss of trained step `ki` over every member, back-propagated (times `loss_scale`) in micro-batches of start
-    latents. advantages: (B, G). Returns this step's statistics as floats."""
+    latents. advantages: (B, G). Returns this step's statistics as floats (None when no member trains it).
+
+    weights: None (the loss is the mean over all B*G members), or (B, G), each member's weight in the loss (0: it
+    does not train this step; a start latent none of whose members trains it is not forwarded). sync_rows(n): the
+    number of start latents every rank forwards when this one has n (distributed runs must make the same calls).
+    """
     k = rollout.sde_steps[ki]
     B, S, G = rollout.latents.shape[0], rollout.latents.shape[2], advantages.shape[1]
     members = G // S  # members scored by one forward
@@ -41,34 +49,60 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, cli
     old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
     advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
     prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
+    rows = torch.arange(B * S, device=start_latents.device)
+    if weights is not None:
+        weights = weights.reshape(B * S, members).to(start_latents.device)  # (B*S, G/S)
+        trains = weights.gt(0).any(1)  # (B*S,)
+        count = int(trains.sum()) if sync_rows is None else sync_rows(int(trains.sum()))
+        # the training rows, then (to match the other ranks' calls) rows of weight 0, which add no gradient
+        rows = torch.cat([rows[trains], rows[~trains]])[:count].sort().values
     loss, kl, log_ratios = 0.0, 0.0, []
-    for chunk in torch.arange(B * S, device=start_latents.device).split(max_batch):
+    for chunk in rows.split(max_batch) if len(rows) else []:
         chunk_size, x = len(chunk), start_latents[chunk]  # x: (chunk_size, ...)
         sigma = sigmas[k].expand(chunk_size).to(x.device)  # (chunk_size,)
         velocity = velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
         # every member of a start latent is scored under the same velocity
         _, log_probs = sde_step(x.repeat_interleave(members, 0), velocity.repeat_interleave(members, 0),
-                                sigmas, k, eta, next_latents=targets[chunk].flatten(0, 1))  # (chunk_size * G/S,)
+                                sigmas, k, eta, next_latents=targets[chunk].flatten(0, 1),
+                                sde_type=sde_type)  # (chunk_size * G/S,)
         log_probs = log_probs.view(chunk_size, members)  # (chunk_size, G/S)
-        # the step's loss is a mean over all B*G members: each chunk weighs by its share
-        share = chunk_size / (B * S)
-        chunk_loss = clipped_loss(log_probs, old_log_probs[chunk], advantages[chunk], clip_range) * share
+        if weights is None:
+            # the step's loss is a mean over all B*G members: each chunk weighs by its share
+            share = chunk_size / (B * S)
+            chunk_loss = clipped_loss(log_probs, old_log_probs[chunk], advantages[chunk], clip_range) * share
+        else:
+            chunk_loss = clipped_loss(log_probs, old_log_probs[chunk], advantages[chunk], clip_range, weights[chunk])
         if kl_beta > 0:  # KL to the base model's step (same std): |mean_theta - mean_ref|^2 / (2 std^2)
             with torch.no_grad():
                 reference = reference_velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
-            chunk_kl = sde_kl(velocity, reference, sigmas, k, eta).mean() * share
+            row_kl = sde_kl(velocity, reference, sigmas, k, eta, sde_type, kl_form)  # (chunk_size,)
+            chunk_kl = row_kl.mean() * share if weights is None else (row_kl * weights[chunk].sum(1)).sum()
             chunk_loss = chunk_loss + kl_beta * chunk_kl
             kl += float(chunk_kl.detach())
         # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
         # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
         (chunk_loss * loss_scale).backward()
         loss += float(chunk_loss.detach())
-        log_ratios.append((log_probs - old_log_probs[chunk]).detach())
-    log_ratio = torch.cat(log_ratios)  # (B*S, G/S): one value per member
+        log_ratio = (log_probs - old_log_probs[chunk]).detach()  # (chunk_size, G/S)
+        log_ratios.append(log_ratio.flatten() if weights is None else log_ratio[weights[chunk] > 0])
+    log_ratio = torch.cat(log_ratios) if log_ratios else torch.empty(0)  # one value per trained member
+    if log_ratio.numel() == 0:
+        return None
     ratio = log_ratio.exp()
     return {"loss": loss, "kl": kl, "approx_kl": float(0.5 * (log_ratio**2).mean()),
             "clipfrac": float(((ratio - 1).abs() > clip_range).float().mean()),
             "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max())}
+
+
+def random_step_mask(generators, num_steps, group_size, fraction):
+    """DanceGRPO's trained steps: each member trains its own int(fraction * K) of the K steps, drawn uniformly
+    without replacement from its prompt's generator. Returns (B, K, G) bool."""
+    count = int(fraction * num_steps)
+    mask = torch.zeros(len(generators), num_steps, group_size, dtype=torch.bool)  # (B, K, G)
+    for b, generator in enumerate(generators):
+        for member in range(group_size):
+            mask[b, torch.randperm(num_steps, generator=generator)[:count], member] = True
+    return mask
 
 
 def optimizer_step(params, optimizer, max_grad_norm):
@@ -82,22 +116,53 @@ def optimizer_step(params, optimizer, max_grad_norm):
 
 
 def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
-                 step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None):
+                 step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None, sde_type="flow",
+                 kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
-    grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps."""
-    K = advantages.shape[1]
+    grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps.
+
+    When the optimizer steps (the peers differ, README "Baselines"):
+      step_per_sde_step:        one step per trained step k, on the mean over its members (the G2RPO reference);
+      otherwise:                the gradients of every trained step accumulate; the G members of each group
+                                split into `member_chunks` chunks, one step each (1: one step an iteration), on
+                                the mean over its (member, step) pairs (DanceGRPO, Flow-GRPO, MixGRPO).
+    train_mask: None (every member trains every step), or (B, K, G) bool, the steps each member trains (DanceGRPO's
+    random subset per member). sync_rows: see `step_loss_backward`.
+    """
+    B, K, G = advantages.shape
+    options = dict(eta=eta, clip_range=clip_range, max_batch=max_batch, kl_beta=kl_beta,
+                   reference_velocity_fn=reference_velocity_fn, sde_type=sde_type, kl_form=kl_form)
     per_step, grad_norms = [], []
     optimizer.zero_grad(set_to_none=True)
-    for ki in range(K):
-        # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
-        per_step.append(step_loss_backward(
-            velocity_fn, rollout, advantages[:, ki], sigmas, ki, eta=eta, clip_range=clip_range,
-            loss_scale=1.0 if step_per_sde_step else 1.0 / K, max_batch=max_batch, kl_beta=kl_beta,
-            reference_velocity_fn=reference_velocity_fn))
-        if step_per_sde_step or ki == K - 1:
-            grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
-    stats = {name: sum(s[name] for s in per_step) / K for name in per_step[0]}
+    chunks = torch.arange(G).tensor_split(1 if step_per_sde_step else member_chunks)  # member indices
+    masked = train_mask is not None or len(chunks) > 1
+    if not masked:
+        for ki in range(K):
+            # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
+            per_step.append(step_loss_backward(
+                velocity_fn, rollout, advantages[:, ki], sigmas, ki,
+                loss_scale=1.0 if step_per_sde_step else 1.0 / K, **options))
+            if step_per_sde_step or ki == K - 1:
+                grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
+    else:
+        mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
+        for members in chunks:
+            in_chunk = torch.zeros(G, dtype=torch.bool)
+            in_chunk[members] = True
+            trains = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step (or steps)
+            for ki in range(K):
+                # the mean over the pairs of one optimizer step: over step k's, or over the chunk's of every k
+                pairs = trains[:, ki].sum() if step_per_sde_step else trains.sum()
+                weights = trains[:, ki].float() / pairs.clamp_min(1)  # (B, G)
+                per_step.append(step_loss_backward(velocity_fn, rollout, advantages[:, ki], sigmas, ki,
+                                                   loss_scale=1.0, weights=weights, sync_rows=sync_rows, **options))
+                if step_per_sde_step or ki == K - 1:
+                    grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
+    per_step = [s for s in per_step if s is not None]
+    stats = {name: sum(s[name] for s in per_step) / len(per_step) for name in per_step[0]}
+    if masked:  # each entry holds its share of an optimizer step's objective: the objective, averaged over steps
+        stats.update({name: sum(s[name] for s in per_step) / len(grad_norms) for name in ("loss", "kl")})
     stats["ratio_max"] = max(s["ratio_max"] for s in per_step)
     taken = [g for g in grad_norms if math.isfinite(g)]
     stats["grad_norm"] = sum(taken) / len(taken) if taken else float("nan")

@@ -74,13 +74,34 @@ def code_version():
 
 
 def all_mean(values: dict, distributed: bool) -> dict:
-    """Mean of logged scalars over ranks (nothing else is ever communicated outside the update)."""
+    """Mean of logged scalars over ranks (outside the update, only these, the rewards for a global advantage std and
+    the update's call counts are ever communicated)."""
     if not distributed:
         return values
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t)
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, t)}
+
+
+def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order (Flow-GRPO's global
+    advantage std needs every reward of the iteration)."""
+    if not distributed:
+        return tensor
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.to(device).contiguous())
+    return torch.cat(parts).to(tensor.device)
+
+
+def all_max(n: int, distributed: bool) -> int:
+    """The largest of every rank's n (each rank then makes as many forward calls as the busiest one)."""
+    if not distributed:
+        return n
+    t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def any_rank(flag: bool, distributed: bool) -> bool:

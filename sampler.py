@@ -34,21 +34,45 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
     return (shift * s / (1 + (shift - 1) * s)).float()  # (N + 1,)
 
 
-def sde_std_dev(sigmas, i, eta) -> float:
-    """std_dev = eta * sqrt(sigma / (1 - sigma)) at sigmas[i]. At sigma = 1 that divides by 0: the reference code
-    divides by 1 - sigmas[1] instead, and so do we."""
+SDE_TYPES = ("flow", "dance", "cps")
+
+
+def sde_std_dev(sigmas, i, eta, sde_type="flow") -> float:
+    """The noise scale std_dev of step i, before the sqrt(-dt) of the step: Flow-GRPO's eta * sqrt(sigma / (1 - sigma))
+    (at sigma = 1 that divides by 0: the reference code divides by 1 - sigmas[1] instead, and so do we), or
+    DanceGRPO's constant eta."""
+    if sde_type == "dance":
+        return eta
     sigma = float(sigmas[i])
     return eta * math.sqrt(sigma / (1 - (sigma if sigma < 1 else float(sigmas[1]))))
 
 
-def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
+def sde_mean_std(x, v, sigmas, i, eta, sde_type="flow"):
+    """The Gaussian step from sigmas[i] to sigmas[i + 1]: (mean, std) of x_next given x and the velocity v (fp32).
+
+    flow (Flow-GRPO, paper Eq. 4-5) and dance (DanceGRPO) share the mean and differ in std_dev; dt = sigma' - sigma < 0:
+        mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
+        std  = std_dev * sqrt(-dt)
+    cps (Flow-GRPO's coefficients-preserving sampling, Wang & Yu 2025) keeps the total noise at sigma':
+        x0_hat = x - sigma v,  eps_hat = x + (1 - sigma) v,  std = sigma' sin(eta pi / 2)
+        mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat
+    """
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    dt = sigma_next - sigma
+    if sde_type == "cps":
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
+        return mean, std
+    std_dev = sde_std_dev(sigmas, i, eta, sde_type)
+    mean = x * (1 + std_dev**2 / (2 * sigma) * dt) + v * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, std_dev * math.sqrt(-dt)
+
+
+def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, sde_type="flow"):
     """One step from sigmas[i] to sigmas[i + 1]; returns (next_latents, log_prob (batch,) or None when eta == 0).
 
-    Flow-GRPO's SDE (paper Eq. 4-5), with dt = sigma_next - sigma < 0:
-        std_dev = eta * sqrt(sigma / (1 - sigma))
-        mean    = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
-        x_next  = mean + std_dev * sqrt(-dt) * noise
-    Given `next_latents`, nothing is sampled: the stored step is scored (the update re-evaluates rollouts this way).
+    x_next = mean + std * noise with the (mean, std) of `sde_mean_std` (Flow-GRPO's step by default). Given
+    `next_latents`, nothing is sampled: the stored step is scored (the update re-evaluates rollouts this way).
     """
     # fp32 whatever the model's dtype, so the update re-scores a stored step with the rollout's arithmetic. This
     # alone does not make the first ratio 1: the velocity must also match, and the update computes it through the
@@ -56,34 +80,50 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
     # rollout's (same weights; the same kernels unless --rollout-attention-backend differs). gpu_check.py measures
     # the first step's ratio at learning rate 0 on the GPU; losses/ratio_mean logs it every iteration.
     x, v = latents.float(), velocity.float()
-    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-    dt = sigma_next - sigma
     if eta == 0:
-        return x + dt * v, None  # plain Euler ODE step; no log-prob for a deterministic step
-    std_dev = sde_std_dev(sigmas, i, eta)
-    mean = x * (1 + std_dev**2 / (2 * sigma) * dt) + v * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
-    std = std_dev * math.sqrt(-dt)
+        return x + (float(sigmas[i + 1]) - float(sigmas[i])) * v, None  # plain Euler ODE step; no log-prob
+    mean, std = sde_mean_std(x, v, sigmas, i, eta, sde_type)
     if next_latents is None:
         if noise is None:
             noise = torch.randn_like(x)
         next_latents = mean + std * noise.float()
     next_latents = next_latents.float()
-    # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of the
-    # log-ratio, and so the meaning of the clip range (1e-4 in the reference)
-    log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    if sde_type == "cps":
+        # Flow-GRPO's CPS log-prob: -(x_next - mean)^2, the Gaussian's up to its constant and its 1 / (2 std^2)
+        # scale (std is the same under the old and the new policy, so the ratio keeps its sign but not its size:
+        # its clip range is 1e-5 rather than 1e-4). The last step (sigma' = 0) is deterministic and scores 0.
+        log_prob = -((next_latents - mean) ** 2)
+    else:
+        # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of
+        # the log-ratio, and so the meaning of the clip range (1e-4 in the reference)
+        log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
     return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
 
 
-def sde_kl(velocity, reference_velocity, sigmas, i, eta):
+KL_FORMS = ("exact", "flow-grpo")
+
+
+def sde_kl(velocity, reference_velocity, sigmas, i, eta, sde_type="flow", kl_form="exact"):
     """KL(policy step || reference step) at step i, per sample, averaged over elements like the log-prob: (batch,).
 
-    Both steps are Gaussians with the same std, so KL = |mean - mean_ref|^2 / (2 std^2), and the means differ only
-    through the velocity: mean - mean_ref = (v - v_ref) * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt.
+    Both steps are Gaussians with the same std, and their means differ only through the velocity:
+    mean - mean_ref = (v - v_ref) * c, with c the velocity's coefficient in the mean (`sde_mean_std`).
+        exact:     KL = |mean - mean_ref|^2 / (2 std^2)        the step's Gaussian KL, std = std_dev sqrt(-dt)
+        flow-grpo: KL = |mean - mean_ref|^2 / (2 std_dev^2)    Flow-GRPO's kl_loss: no -dt, so exact * (-dt)
+    cps has no std_dev apart from its std: both forms divide by 2 std^2 there.
     """
-    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    std_dev = sde_std_dev(sigmas, i, eta)
-    mean_gap = (velocity.float() - reference_velocity.float()) * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
-    kl = mean_gap**2 / (2 * std_dev**2 * -dt)
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    dt = sigma_next - sigma
+    if sde_type == "cps":
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        coefficient = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
+        denominator = 2 * std**2
+    else:
+        std_dev = sde_std_dev(sigmas, i, eta, sde_type)
+        coefficient = (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+        denominator = 2 * std_dev**2 * -dt if kl_form == "exact" else 2 * std_dev**2
+    mean_gap = (velocity.float() - reference_velocity.float()) * coefficient
+    kl = mean_gap**2 / denominator
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
@@ -163,7 +203,8 @@ def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64, keep_trajectory=True
 # The G2RPO rollout as the paper states it: one prompt at a time, one member at a time, batch-1 forwards.
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta):
+def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta,
+                            sde_type="flow"):
     """The paper's procedure loop for loop (and the reference code's cost: the SDE-step forward is recomputed for
     every member, every completion runs on its own). Same arguments, same noise and same `Rollout` as
     `rollout_g2rpo`; slow, for reading and for checking the fast rollout."""
@@ -185,7 +226,8 @@ def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_siz
             for member in range(G):
                 # 3. singular stochastic sampling: ONE SDE step from anchor[k]
                 v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)  # (1, ...)
-                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1])
+                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1],
+                                            sde_type=sde_type)
                 next_latents[b, ki, member], old_log_probs[b, ki, member] = x_next[0], log_prob[0]
                 # 4. multi-granularity completion: an ODE from x_{k+1} on each granularity's schedule
                 for j, g in enumerate(granularities):
@@ -205,7 +247,8 @@ def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_siz
 # The same rollout, fast: shared forwards and every live branch of every prompt in one batched call per round.
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64):
+def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64,
+                  sde_type="flow"):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
     generators: B CPU torch.Generator, one per prompt, for its members' SDE noise.
 
@@ -228,7 +271,7 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
     for k in sde_steps:
         member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
         x_next, log_prob = sde_step(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
-                                    sigmas, k, eta, noise=member_noise)  # (B*G, ...), (B*G,)
+                                    sigmas, k, eta, noise=member_noise, sde_type=sde_type)  # (B*G, ...), (B*G,)
         next_latents.append(x_next.view(B, G, *shape))
         old_log_probs.append(log_prob.view(B, G))
 
@@ -283,29 +326,36 @@ def complete_granularities(forward, next_latents, sigmas, sde_steps, granulariti
 # Baselines: whole trajectories per member, one reward each (DanceGRPO / Flow-GRPO, MixGRPO / Flow-GRPO-Fast)
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64):
-    """DanceGRPO / Flow-GRPO: G full SDE trajectories per prompt from the shared noise, every step an SDE step;
-    one reward per trajectory is later broadcast to its trained steps `sde_steps`."""
+def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
+    """DanceGRPO / Flow-GRPO: G full SDE trajectories per prompt, every step an SDE step; one reward per trajectory
+    is later broadcast to its trained steps `sde_steps`. `options`: those of `rollout_trajectories`."""
     return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
-                                eta=eta, max_batch=max_batch, ode_elsewhere=False)
+                                eta=eta, max_batch=max_batch, ode_elsewhere=False, **options)
 
 
 @torch.no_grad()
-def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64):
-    """MixGRPO / Flow-GRPO-Fast: G trajectories per prompt from the shared noise, SDE only on `sde_steps` (the
-    window, which is also what is trained) and ODE elsewhere. Members are identical until the first SDE step, so
-    those steps run once per prompt: NFE = B * (first + G * (N - first)), first = min(sde_steps)."""
+def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
+    """MixGRPO / Flow-GRPO-Fast: G trajectories per prompt, SDE only on `sde_steps` (the window, which is also what
+    is trained) and ODE elsewhere. From a shared initial noise the members are identical until the first SDE step,
+    so those steps run once per prompt: NFE = B * (first + G * (N - first)), first = min(sde_steps)."""
     return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
-                                eta=eta, max_batch=max_batch, ode_elsewhere=True)
+                                eta=eta, max_batch=max_batch, ode_elsewhere=True, **options)
 
 
 def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch,
-                         ode_elsewhere):
-    """G trajectories per prompt from its shared noise: SDE steps on every step, or only on `sde_steps` when
-    `ode_elsewhere`; keeps the start latent, the sample and its log-prob at each step of `sde_steps`."""
-    B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
+                         ode_elsewhere, sde_type="flow", member_noise=False, decode="sample"):
+    """G trajectories per prompt: SDE steps on every step, or only on `sde_steps` when `ode_elsewhere`; keeps the
+    start latent, the sample and its log-prob at each step of `sde_steps`.
+
+    noise: (B, ...) one initial noise per prompt, shared by its members (DanceGRPO, MixGRPO), or with `member_noise`
+    (B, G, ...), one per member (Flow-GRPO). decode: the latent a trajectory's image is decoded from, its final
+    sample, or "x0": the x0_hat = x - sigma v of its last step (DanceGRPO; the same latent when that step is ODE).
+    """
+    B, G, device = noise.shape[0], group_size, noise.device
+    shape = noise.shape[2:] if member_noise else noise.shape[1:]
     forward = CountingVelocity(velocity_fn, max_batch)
-    x, trained = noise.float(), {}  # (B, ...) while the members are still one latent, then (B*G, ...)
+    # (B, ...) while the members are still one latent, then (B*G, ...)
+    x, trained = (noise.flatten(0, 1) if member_noise else noise).float(), {}
     for i in range(len(sigmas) - 1):
         stochastic = i in sde_steps or not ode_elsewhere
         if stochastic and x.shape[0] == B:  # the members part at their first SDE step
@@ -315,27 +365,46 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         if not stochastic:
             x, _ = sde_step(x, v, sigmas, i, eta=0.0)
             continue
-        member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
-        x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=member_noise)
+        step_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
+        x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=step_noise, sde_type=sde_type)
         if i in sde_steps:
             trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
+        if decode == "x0" and i == len(sigmas) - 2:
+            x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat of the last step
         x = x_next
+    if x.shape[0] == B:  # no SDE step at all (MixGRPO's empty window): G copies of the ODE sample
+        x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
+    stack = lambda part, like: (torch.stack([trained[k][part] for k in sde_steps], 1) if sde_steps
+                                else like.new_zeros(B, 0, *like.shape[1:]))
     return Rollout(
-        latents=torch.stack([trained[k][0] for k in sde_steps], 1),  # (B, K, G, ...)
-        next_latents=torch.stack([trained[k][1] for k in sde_steps], 1),  # (B, K, G, ...)
-        old_log_probs=torch.stack([trained[k][2] for k in sde_steps], 1),  # (B, K, G)
+        latents=stack(0, x.view(B, G, *shape)),  # (B, K, G, ...)
+        next_latents=stack(1, x.view(B, G, *shape)),  # (B, K, G, ...)
+        old_log_probs=stack(2, x.new_zeros(B, G)),  # (B, K, G)
         final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
         anchor_final=None, sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
 
 
-def window_steps(iteration, *, num_steps, size, stride, every, random=False, seed=0):
-    """The SDE window of an iteration: `size` consecutive steps. MixGRPO's sliding window starts at 0 and moves
-    `stride` steps every `every` iterations, wrapping round at the end of the schedule; Flow-GRPO-Fast's (random)
-    is drawn afresh each iteration from (seed, iteration)."""
-    starts = num_steps - size + 1  # possible first steps
-    if random:
+def window_steps(iteration, *, num_steps, size, stride, every, schedule="wrap", end=0, seed=0):
+    """The SDE window of an iteration, a list of consecutive steps.
+
+    wrap:    starts at 0 and moves `stride` steps every `every` iterations, wrapping round at the end of the
+             schedule: full-size windows over steps 0..N-1.
+    mixgrpo: MixGRPO's progressive window: range(start, min(start + size, N - 2)), start moving `stride` every
+             `every` iterations and rolling back to 0 once it passes N - 2. So it shrinks at the end, is empty once
+             a cycle (start = N - 2), and never covers the last two steps.
+    random:  drawn afresh each iteration from (seed, iteration): size steps within 0..end - 1 (end 0: N);
+             Flow-GRPO-Fast draws its window within the first half (end = N // 2).
+    """
+    if schedule == "random":
         draw = torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
-        start = int(torch.randint(starts, (1,), generator=draw))
-    else:
-        start = (iteration // every) * stride % starts
+        start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=draw))
+        return list(range(start, start + size))
+    if schedule == "mixgrpo":
+        last, start = num_steps - 2, 0  # its bound is exclusive: the last trained step is N - 3
+        for _ in range(iteration // every):
+            start += stride
+            if start > last:
+                start = 0  # roll back
+        return list(range(start, min(start + size, last)))
+    start = (iteration // every) * stride % (num_steps - size + 1)
     return list(range(start, start + size))

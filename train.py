@@ -36,10 +36,10 @@ import checkpoint
 import rewards
 from advantage import granular_advantages
 from flags import parse_args, validate, warn_long_prompts
-from g2rpo import g2rpo_update
+from g2rpo import g2rpo_update, random_step_mask
 from kernels import update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import EMA, Run, all_mean, any_rank, eval_noise_generator, fail
+from run import EMA, Run, all_gather, all_max, all_mean, any_rank, eval_noise_generator, fail
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,8 +194,12 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     batch, positions = batch_prompts(prompts, args.seed, it, global_batch, rank, global_batch // world)
     cond = policy.adapter.encode(batch)
     gens = generators(args.seed, it, positions)
-    noise = policy.adapter.noise(gens, args.resolution)  # (B, ...)
     B, G = len(batch), args.group_size
+    if args.same_noise:
+        noise = policy.adapter.noise(gens, args.resolution)  # (B, ...)
+    else:  # each member its own initial noise, drawn in turn from its prompt's generator (Flow-GRPO)
+        noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.resolution)
+        noise = noise.unflatten(0, (B, G))  # (B, G, ...)
 
     # 2. rollout with the current policy, no gradients
     steps = trained_steps(args, it)
@@ -211,12 +215,19 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
 
     # 4. advantages: normalised per (reward, granularity, step) within each group, summed, clamped
     weights = torch.tensor(list(policy.reward_weights.values()))  # (R,)
-    advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights)  # (B, K or 1, G)
+    if args.reward_fusion == "score":  # Flow-GRPO: the weighted sum of the raw scores is the one reward
+        scores, weights = (scores * weights).sum(-1, keepdim=True), torch.ones(1)  # (B, J, K, G, 1)
+    every_rank = all_gather(scores, distributed) if args.adv_std == "global" else None  # (world*B, J, K, G, R)
+    advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights,
+                                     all_rewards=every_rank)  # (B, K or 1, G)
     advantages = advantages.expand(B, len(steps), G).to(noise.device)  # (B, K, G)
+    # the steps each member trains: all of them, or its own random share (DanceGRPO)
+    train_mask = (random_step_mask(gens, len(steps), G, args.timestep_fraction)
+                  if args.timestep_fraction < 1 and steps else None)  # (B, K, G)
 
     # 5. the clipped policy update, taken on every rank or on none
     finite_rewards = not any_rank(not bool(torch.isfinite(scores).all()), distributed)
-    if finite_rewards:
+    if finite_rewards and steps:  # (MixGRPO's empty window trains nothing)
         update_velocity = make_velocity_fn(args, policy, policy.model, cond)  # through DDP / FSDP2, with gradients
         if first_update_check is not None:
             first_update_check(update_velocity, rollout, advantages)
@@ -224,9 +235,14 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
                              advantages, sigmas, eta=args.eta, clip_range=args.clip_range,
                              max_grad_norm=args.max_grad_norm, step_per_sde_step=args.step_per_sde_step,
                              max_batch=args.max_batch, kl_beta=args.kl_beta,
-                             reference_velocity_fn=reference_velocity_fn(args, policy, cond))
+                             reference_velocity_fn=reference_velocity_fn(args, policy, cond),
+                             sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
+                             member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed))
+    elif finite_rewards:
+        stats = {"optimizer_steps": 0, "skipped_steps": 0}
     else:
-        stats = {"optimizer_steps": 0, "skipped_steps": len(steps) if args.step_per_sde_step else 1}
+        stats = {"optimizer_steps": 0,
+                 "skipped_steps": len(steps) if args.step_per_sde_step else args.member_chunks}
     if policy.ema is not None and stats["optimizer_steps"]:  # weights that did not move add nothing to average
         policy.ema.update(it + 1)
     t3 = time.time()
@@ -245,10 +261,11 @@ def roll_out(args, velocity_fn, noise, sigmas, generators, steps):
     """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window)."""
     if args.sampling == "g2rpo":
         return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps,
-                             granularities=args.granularities, eta=args.eta, max_batch=args.max_batch)
+                             granularities=args.granularities, eta=args.eta, max_batch=args.max_batch,
+                             sde_type=args.sde_type)
     return (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
         velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps, eta=args.eta,
-        max_batch=args.max_batch)
+        max_batch=args.max_batch, sde_type=args.sde_type, member_noise=not args.same_noise, decode=args.decode)
 
 
 def trained_steps(args, it):
@@ -256,7 +273,7 @@ def trained_steps(args, it):
     if args.sampling != "mixed":
         return args.sde_steps
     return window_steps(it, num_steps=args.num_steps, size=args.window_size, stride=args.window_stride,
-                        every=args.window_every, random=args.window_random, seed=args.seed)
+                        every=args.window_every, schedule=args.window_schedule, end=args.window_end, seed=args.seed)
 
 
 def reward_metrics(args, policy, rollout, scores, batch):

@@ -230,9 +230,9 @@ def test_window_slides_and_wraps_or_is_drawn():
     slide = [window_steps(it, num_steps=8, size=3, stride=2, every=5)[0] for it in range(0, 20, 5)]
     assert slide == [0, 2, 4, 0]  # first steps 0, 2, 4, then 6 wraps (6 possible starts: 0..5)
     assert window_steps(4, num_steps=8, size=3, stride=2, every=5) == [0, 1, 2]
-    drawn = [window_steps(it, num_steps=8, size=2, stride=1, every=1, random=True, seed=3) for it in range(30)]
+    drawn = [window_steps(it, num_steps=8, size=2, stride=1, every=1, schedule="random", seed=3) for it in range(30)]
     assert all(len(w) == 2 and 0 <= w[0] <= 6 for w in drawn) and len({w[0] for w in drawn}) > 3
-    assert drawn == [window_steps(it, num_steps=8, size=2, stride=1, every=1, random=True, seed=3) for it in range(30)]
+    assert drawn == [window_steps(it, num_steps=8, size=2, stride=1, every=1, schedule="random", seed=3) for it in range(30)]
 
 
 def test_group_normalize():
