@@ -114,16 +114,15 @@ def sde_kl(velocity, reference_velocity, sigmas, i, eta, sde_type="flow", kl_for
     """
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma
+    gap = velocity.float() - reference_velocity.float()
     if sde_type == "cps":
         std = sigma_next * math.sin(eta * math.pi / 2)
-        coefficient = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
-        denominator = 2 * std**2
+        mean_gap = gap * (-(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma))
+        kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)  # sigma' = 0: no noise, no KL
     else:
         std_dev = sde_std_dev(sigmas, i, eta, sde_type)
-        coefficient = (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
-        denominator = 2 * std_dev**2 * -dt if kl_form == "exact" else 2 * std_dev**2
-    mean_gap = (velocity.float() - reference_velocity.float()) * coefficient
-    kl = mean_gap**2 / denominator
+        mean_gap = gap * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+        kl = mean_gap**2 / (2 * std_dev**2 * -dt) if kl_form == "exact" else mean_gap**2 / (2 * std_dev**2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
