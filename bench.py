@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 
+import flags
 from sampler import rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference, rollout_mixed, sigma_schedule
 
 
@@ -60,14 +61,31 @@ def part1():
         label = f"G 12, N 16, M 0..7, Lambda {set(grans)}"
         rows.append(("G2RPO reference code", label, ref.nfe, ref.calls, 8))
         rows.append(("G2RPO, this project", label, ours.nfe, ours.calls, 8))
-    for name, G, N, K in [("DanceGRPO-style full SDE", 12, 16, 9), ("Flow-GRPO-style full SDE", 24, 6, 5)]:
-        full = rollout_full_sde(zero_velocity, torch.zeros(1, 4), sigma_schedule(N, 3.0),
-                                [torch.Generator().manual_seed(0)], group_size=G, sde_steps=list(range(K)), eta=0.7,
-                                max_batch=4096)
-        rows.append((name, f"G {G}, N {N}, {K} steps trained", full.nfe, full.calls, G * K))
+    rows += [recipe_cost(method) for method in flags.METHODS if method != "g2rpo"]
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:,} | {r[3]:,} | {r[4]} |")
     return rows
+
+
+def recipe_cost(method):
+    """One row of part 1: `--model flux --method method` at its own defaults, rolled out by train.py's code (a
+    zero velocity), its first iteration's window for the mixed samplers. Training forwards: one per start latent
+    and trained step (G2RPO's members share theirs; a trajectory's member has its own)."""
+    import train
+
+    a = flags.parse_args(["--model", "flux", "--method", method])
+    gens = [torch.Generator().manual_seed(0)]
+    noise = torch.zeros(1, 4) if a.same_noise else torch.zeros(1, a.group_size, 4)
+    a.max_batch = 4096
+    steps = train.trained_steps(a, 0)
+    rollout = train.roll_out(a, zero_velocity, noise, sigma_schedule(a.num_steps, a.shift), gens, steps)
+    per_member = int(a.timestep_fraction * len(steps))
+    forwards = len(steps) if a.sampling == "g2rpo" else a.group_size * per_member
+    if a.sampling == "mixed":
+        label = f"G {a.group_size}, N {a.num_steps}, window {a.window_size} ({a.window_schedule})"
+    else:
+        label = f"G {a.group_size}, N {a.num_steps}, {per_member} of steps 0..{max(steps)} trained a member"
+    return (f"--method {method}", label, rollout.nfe, rollout.calls, forwards)
 
 
 # ---------------------------------------------------------------------------------------------------------------

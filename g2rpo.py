@@ -11,7 +11,10 @@ not B*G) scores all G members; the full-SDE baseline has one start latent per me
 
 Shapes: B prompts, G group size, K SDE steps, S start latents per prompt (1 for G2RPO, G for full SDE).
 
-Deviations from the reference code (numbers of the README's list): 5 (one optimizer step per k by default, or one
+The baselines' updates (README "Baselines") reuse this loop: a member may train only some of the steps
+(`random_step_mask`, DanceGRPO), and the gradients may accumulate over chunks of members before an optimizer step.
+
+Deviations from the reference code (numbers of the README's list): 14 (the baselines), 5 (one optimizer step per k by default, or one
 on the averaged objective), 8 (a non-finite gradient skips the optimizer step).
 """
 import math

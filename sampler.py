@@ -12,7 +12,9 @@ G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   4. multi-granularity completion: from x_{k+1}^i, an ODE on `granular_schedule(sigmas, k, g)` for each g in Lambda.
 `rollout_g2rpo_reference` is that procedure written loop for loop at batch 1, for reading; `rollout_g2rpo` computes
 the same latents with shared and batched forwards (tests/test_method.py checks they agree).
-The baseline `rollout_full_sde` samples G full SDE trajectories per prompt instead (DanceGRPO / Flow-GRPO).
+The baselines sample G whole trajectories per prompt instead: `rollout_full_sde` (DanceGRPO, Flow-GRPO), and
+`rollout_mixed` with SDE steps only in a window (MixGRPO, Flow-GRPO-Fast). The SDE step has the peers' three forms
+(`sde_mean_std`: Flow-GRPO's, DanceGRPO's constant std_dev, Flow-GRPO's coefficients-preserving one).
 
 A model enters only as a velocity function `velocity_fn(latents, sigma, prompt_index) -> velocity`, with latents
 (n, ...) in the model's own layout, a per-sample sigma (n,) and a per-sample index (n,) into the prompt batch, so

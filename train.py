@@ -5,7 +5,7 @@ no communication):
   1. encode the prompts; draw one initial noise per prompt and per-prompt SDE noise, seeded by
      (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after a resume;
   2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions; or, for the
-     baselines, whole trajectories (full SDE, or SDE inside a window with ODE elsewhere: --sampling);
+     baselines (--method), whole trajectories (full SDE, or SDE inside a window with ODE elsewhere: --sampling);
   3. decode every final latent and score it with every reward model (rewards.py);
   4. advantages per (reward, granularity, step), normalised in the group and summed (advantage.py);
   5. the clipped policy update (g2rpo.py): G2RPO's members of a prompt share their start latent, so one forward per
