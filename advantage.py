@@ -54,3 +54,14 @@ def granular_advantages(rewards: torch.Tensor, *, adv_clip_max: float, weights: 
     w = torch.ones(rewards.shape[-1]) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
     summed = torch.einsum("bjkgr,r->bkg", normalised, w.to(normalised.device))  # sum_m w_m sum_g: (B, K, G)
     return summed.clamp(-adv_clip_max, adv_clip_max)
+
+
+def step_credit(advantages: torch.Tensor, credit: str) -> torch.Tensor:
+    """Which advantage each trained step gets, (B, K, G) -> (B, K, G). own: its own (the method); the bench's
+    controls destroy that credit: mean, every step of member i gets the mean of its K advantages; rolled, step k
+    gets step k + 1's (the last step the first's), the right values at the wrong steps."""
+    if credit == "mean":
+        return advantages.mean(1, keepdim=True).expand_as(advantages)
+    if credit == "rolled":
+        return advantages.roll(-1, dims=1)
+    return advantages

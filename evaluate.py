@@ -9,7 +9,8 @@ model and metric, the mean over all (prompt, seed) images and its standard error
 units (PickScore / 100).
 
 Noise: image (prompt p, seed s) starts from `run.eval_noise_generator(p, s)`, the noise of train.py's held-out
-evaluation, so `--seeds` equal to the run's `eval_seeds` reproduces its `eval/reward/*` on the CPU, for a run
+evaluation, so `--seeds` equal to the run's last evaluation's (`final_eval_seeds`, or `eval_seeds` when 0) reproduces
+its final `eval/reward/*` on the CPU, for a run
 without --ema-decay (train.py then evaluates the EMA weights; this script loads the trained ones) and up to
 precision on a GPU (this script keeps the transformer in bf16, training keeps fp32 master weights).
 
@@ -43,7 +44,7 @@ from run import eval_noise_generator, fail, read_prompts
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # What evaluation adds to the training presets (flags.PRESETS, whose sampling settings and held-out prompt file it
-# takes): seeds per prompt (default: the preset's --eval-seeds), images per transformer call, metrics. A checkpoint's
+# takes): seeds per prompt (default: the preset's last evaluation's, --final-eval-seeds or --eval-seeds), images per transformer call, metrics. A checkpoint's
 # config.json takes precedence over the presets; flags take precedence over both.
 EVAL_DEFAULTS = {
     "flux": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
@@ -58,7 +59,8 @@ EVAL_DEFAULTS = {
 def family_defaults(model: str) -> dict:
     """The model family's sampling settings, prompt file, seeds, batch size and metrics."""
     p = flags.preset(model)
-    return {**{key: p[key] for key in SETTINGS[1:]}, "prompt_file": p["eval_prompt_file"], "seeds": p["eval_seeds"],
+    return {**{key: p[key] for key in SETTINGS[1:]}, "prompt_file": p["eval_prompt_file"],
+            "seeds": p["final_eval_seeds"] or p["eval_seeds"],
             **EVAL_DEFAULTS[model]}
 
 

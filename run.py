@@ -364,7 +364,9 @@ class Run:
         for name in reward_names:
             b, a = before.get(f"eval/success/{name}"), after.get(f"eval/success/{name}")
             if b is not None and a is not None:
-                self.log(f"held-out success rate ({name}, strict pass): {b:.3f} -> {a:.3f}")
+                se = [m.get(f"eval/success_se/{name}") for m in (before, after)]
+                spread = f" (standard errors {se[0]:.3f}, {se[1]:.3f})" if None not in se else ""
+                self.log(f"held-out success rate ({name}, strict pass): {b:.3f} -> {a:.3f}{spread}")
         samples = os.path.join(self.out, "samples")
         first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))
         if os.path.exists(first) and os.path.exists(final):

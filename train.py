@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import checkpoint
 import rewards
-from advantage import granular_advantages
+from advantage import granular_advantages, step_credit
 from flags import parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask
 from kernels import update_loss
@@ -220,7 +220,7 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     every_rank = all_gather(scores, distributed) if args.adv_std == "global" else None  # (world*B, J, K, G, R)
     advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights,
                                      all_rewards=every_rank)  # (B, K or 1, G)
-    advantages = advantages.expand(B, len(steps), G).to(noise.device)  # (B, K, G)
+    advantages = step_credit(advantages.expand(B, len(steps), G), args.step_credit).to(noise.device)  # (B, K, G)
     # the steps each member trains: all of them, or its own random share (DanceGRPO)
     train_mask = (random_step_mask(gens, len(steps), G, args.timestep_fraction)
                   if args.timestep_fraction < 1 and steps else None)  # (B, K, G)
@@ -303,11 +303,13 @@ GRID_IMAGES = 24  # images of the first evaluation batch kept (on the CPU) for t
 
 
 @torch.no_grad()
-def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
-    """Held-out reward of the deterministic (ODE) images on fixed seeds; with an EMA, of the EMA weights.
-    Encodes, samples, decodes and scores --max-batch items at a time, so no phase of it needs more memory than a
-    rollout call. Returns metrics and up to GRID_IMAGES of this rank's images (on the CPU)."""
-    items = eval_items(len(eval_prompts), args.eval_prompts, args.eval_seeds)
+def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds=None):
+    """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
+    with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
+    of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
+    and the std of the per-seed means) and up to GRID_IMAGES of this rank's images (on the CPU)."""
+    seeds = seeds or args.eval_seeds
+    items = eval_items(len(eval_prompts), args.eval_prompts, seeds)
     per_rank = -(-len(items) // world)
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
@@ -315,7 +317,7 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     # every reward's score, and the strict pass of those that have one (the tiny world's success rate)
     fns = {**{f"reward/{name}": fn for name, fn in policy.reward_fns.items()},
            **{f"success/{name}": fn for name, fn in rewards.success_fns(policy.reward_fns).items()}}
-    per_seed = torch.zeros(len(fns), args.eval_seeds, 2, dtype=torch.float64)  # (R, seeds, (sum, count))
+    per_seed = torch.zeros(len(fns), seeds, 3, dtype=torch.float64)  # (R, seeds, (sum, count, sum of squares))
     grid = []
     if policy.ema is not None:
         policy.ema.swap()
@@ -334,7 +336,7 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
                     scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
                     for n, ((_, s), v) in enumerate(zip(batch, scores)):
                         if start + i + n < valid:  # not a padding item
-                            per_seed[r, s] += torch.tensor([float(v), 1.0], dtype=torch.float64)
+                            per_seed[r, s] += torch.tensor([float(v), 1.0, float(v) ** 2], dtype=torch.float64)
                 if len(grid) < GRID_IMAGES:  # as bytes: 24 videos of 81 frames would hold gigabytes in fp32
                     grid.extend((images[: GRID_IMAGES - len(grid)] * 255).round().byte().cpu())
     finally:
@@ -346,8 +348,11 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed):
     for r, key in enumerate(fns):
         means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
         kind, name = key.split("/", 1)
-        metrics[f"eval/{key}"] = float(per_seed[r, :, 0].sum() / per_seed[r, :, 1].sum())
-        metrics[f"eval/{kind}_seed_std/{name}"] = float(means.std()) if args.eval_seeds > 1 else 0.0
+        total, count, squares = per_seed[r].sum(0).tolist()
+        metrics[f"eval/{key}"] = total / count
+        metrics[f"eval/{kind}_seed_std/{name}"] = float(means.std()) if seeds > 1 else 0.0
+        # the standard error of that mean from the images alone: sqrt(var / n) (for a pass rate, sqrt(p (1 - p) / n))
+        metrics[f"eval/{kind}_se/{name}"] = max(squares / count - (total / count) ** 2, 0.0) ** 0.5 / count**0.5
     return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
 
 
@@ -358,12 +363,13 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    evaluate_ = lambda: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed)
+    # the first and last evaluations, which a run's result is read from, may take more seeds than the rest
+    evaluate_ = lambda seeds=None: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
                                                                          args.eval_seeds)]
     if start == 0:
-        before, images = evaluate_()
+        before, images = evaluate_(args.final_eval_seeds)
         run.save_grid(images, 0, shown, captions)
         run.write_metrics(0, before)
     else:
@@ -379,7 +385,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
         faulty = run.count_faults(metrics)
         done = it + 1
         if done % args.eval_every == 0 or done == args.num_iterations:
-            eval_metrics, images = evaluate_()
+            eval_metrics, images = evaluate_(args.final_eval_seeds if done == args.num_iterations else None)
             metrics.update(eval_metrics)
             run.save_grid(images, done, shown, captions)
         run.write_metrics(done, metrics)

@@ -240,7 +240,7 @@ def test_an_impossible_axis_is_refused_in_one_line(capsys):
 
 
 SMALL = ["--model", "tiny", "--prompts-per-iteration", "2", "--eval-seeds", "1", "--eval-prompts", "2",
-         "--eval-every", "100", "--checkpoint-every", "1", "--lr", "1e-3"]
+         "--final-eval-seeds", "1", "--eval-every", "100", "--checkpoint-every", "1", "--lr", "1e-3"]
 
 
 @pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"])

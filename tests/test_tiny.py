@@ -62,7 +62,8 @@ def test_prompt_sets_are_disjoint_and_shipped():
     assert count(tiny.POSITIONS, 2) == [3] * 4
 
 
-SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteration", "8", "--checkpoint-every", "1000"]
+SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteration", "8", "--checkpoint-every", "1000",
+         "--final-eval-seeds", "8"]
 
 
 @pytest.mark.parametrize("sampling", ["g2rpo", "full"])
