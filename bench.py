@@ -2,17 +2,22 @@
 
   1. Rollout cost: image-forwards (NFE) and transformer calls per prompt per iteration, counted by running the
      rollouts with a counting velocity function: this project's G2RPO rollout, the reference code's structure
-     (same math, every forward at batch 1, the SDE-step forward recomputed per member), and full-SDE sampling.
+     (same math, every forward at batch 1, the SDE-step forward recomputed per member), and each peer's recipe
+     (--method) at its own published settings.
   2. Speed on the tiny model, same machine, same run: seconds per iteration split into sampling, decoding,
      reward and update, batched (this project) against a batch-1 loop with the reference's structure.
-  3. Learning per unit of compute on the tiny model: held-out success rate against cumulative NFE and wall time for
-     G2RPO (granularities {1, 2, 3}), G2RPO without multi-granularity ({1}), the full-SDE baseline, mixed
-     ODE-SDE sampling in a sliding window, and G2RPO and full SDE with a KL term, at equal NFE budgets, over seeds;
-     a table (with each method's gap to G2RPO in seed standard deviations) and a PNG plot.
+  3. Learning per unit of compute on the tiny model, with statistics a reviewer accepts: every method trains the
+     same rollout NFE on the same training seeds; its held-out success rate at the budget (1,152 images, standard
+     error <= 0.015) gets a 95 % interval over seeds, and its gap to G2RPO a paired 95 % interval, "told apart"
+     only where that excludes 0. The headline rows are the paper's two claims (singular stochastic sampling against
+     full SDE; multi-granularity against one granularity), then the peers' recipes; three controls show what the
+     bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0) and G2RPO with its step
+     credit destroyed (every step the mean advantage of its member). Runs go side by side, one torch thread each;
+     a killed bench resumes, keeping its finished runs. A table and a PNG plot.
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from gpu_check.py.
 
-Run:  python bench.py            (parts 1-3, CPU)
-      python bench.py --quick    (every part, shortened, under 2 minutes)
+Run:  python bench.py --parts 3               (CPU: every core; on a CUDA machine the runs share the GPU)
+      python bench.py --quick                 (every part, shortened, under 2 minutes)
 """
 import json
 import os
@@ -23,7 +28,7 @@ import torch
 import tyro
 
 import flags
-from sampler import rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference, rollout_mixed, sigma_schedule
+from sampler import rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
 
 
 
@@ -33,10 +38,21 @@ class Args:
     """A shortened run of every part (what the tests run)."""
     parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
-    seeds: int = 5
-    """Training seeds per method in part 3."""
+    seeds: int = 8
+    """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them)."""
     budget_nfe: int = 40_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all)."""
+    jobs: int = os.cpu_count() or 1
+    """Part 3: training runs side by side, each a subprocess with one torch thread (0: one at a time in this
+    process, with its threads)."""
+    eval_seeds: int = 8
+    """Part 3: noise seeds per held-out prompt at the intermediate evaluations (12 prompts each)."""
+    final_eval_seeds: int = 96
+    """Part 3: noise seeds per held-out prompt at the budget (96: 1,152 images, a standard error <= 0.015)."""
+    methods: tuple[str, ...] = ()
+    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the reference, is always run); () = all."""
+    extra: tuple[str, ...] = ()
+    """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
     output_dir: str = "runs/bench"
     """Where part 3's runs, its table (JSON) and plot go."""
     tiny_cache: str = ".cache"
@@ -172,71 +188,195 @@ def _per_member(rollout):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# part 3: learning per unit of compute
+# part 3: learning per unit of compute, with intervals and controls
 # ---------------------------------------------------------------------------------------------------------------
-FULL = ["--sampling", "full", "--sde-steps", "0", "1", "2", "3", "4", "5", "6", "7"]
-KL = ["--kl-beta", "0.01"]
-METHODS = {
-    "G2RPO {1,2,3}": ["--sampling", "g2rpo", "--granularities", "1", "2", "3"],
-    "G2RPO {1}": ["--sampling", "g2rpo", "--granularities", "1"],
-    "full SDE": FULL,
-    "mixed window": ["--sampling", "mixed", "--window-size", "2", "--window-stride", "1", "--window-every", "4"],
-    "G2RPO {1,2,3} + KL": ["--sampling", "g2rpo", "--granularities", "1", "2", "3", *KL],
-    "full SDE + KL": [*FULL, *KL],
+# Every method trains the tiny preset (G 8, N 8, M 0..3, lr 1e-4, 4 prompts an iteration) for the same rollout NFE.
+# The headline rows are the paper's two claims, then the peers' recipes; the controls show what the bench can tell.
+HEADLINE = {
+    "G2RPO {1,2,3}": [],
+    "full SDE, same M": ["--sampling", "full"],  # singular stochastic sampling against whole SDE trajectories
+    "G2RPO {1}": ["--granularities", "1"],  # multi-granularity against one granularity
+    "DanceGRPO": ["--method", "dancegrpo"],
+    "Flow-GRPO": ["--method", "flow-grpo"],
+    "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
+    "MixGRPO": ["--method", "mixgrpo"],
 }
+REFERENCE = "G2RPO {1,2,3}"
+OTHER_SEEDS = 1000  # the negative control's training seeds start here
+CONTROLS = {
+    "control: G2RPO on other seeds": [],  # must not be told apart (compared unpaired)
+    "control: no learning (lr 0)": ["--lr", "0"],  # must be told apart
+    "control: step credit destroyed": ["--step-credit", "mean"],  # the paper's central claim, on this world
+}
+METHODS = {**HEADLINE, **CONTROLS}
+# two-sided 95 % quantiles of Student's t by degrees of freedom (the normal's 1.96 past 30)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+        22: 2.074, 24: 2.064, 26: 2.056, 28: 2.048, 30: 2.042}
+
+
+def t975(df: float) -> float:
+    """The 97.5 % quantile of Student's t with `df` degrees of freedom (rounded down to the table's)."""
+    return 1.96 if df > 30 else T975[max(d for d in T975 if d <= max(1, int(df)))]
+
+
+def interval(values):
+    """Mean and the half-width of its 95 % confidence interval over `values` (Student's t)."""
+    x = torch.tensor(values, dtype=torch.float64)
+    if len(x) < 2:
+        return float(x.mean()), float("nan")
+    return float(x.mean()), t975(len(x) - 1) * float(x.std()) / len(x) ** 0.5
+
+
+def gap_interval(values, reference, paired):
+    """The difference of means (values - reference) and its 95 % half-width: paired on seeds (the same training
+    seed gives both runs the same prompts and noise), or Welch's for independent samples."""
+    if paired:
+        return interval([v - r for v, r in zip(values, reference)])
+    x, y = torch.tensor(values, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    if min(len(x), len(y)) < 2:
+        return float(x.mean() - y.mean()), float("nan")
+    vx, vy = float(x.var()) / len(x), float(y.var()) / len(y)
+    df = (vx + vy) ** 2 / (vx**2 / (len(x) - 1) + vy**2 / (len(y) - 1)) if vx + vy > 0 else len(x) + len(y) - 2
+    return float(x.mean() - y.mean()), t975(df) * (vx + vy) ** 0.5
 
 
 def part3(args):
-    print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} seeds each)\n")
-    # 12 held-out prompts x 8 noise seeds: 96 images an evaluation, so a success rate moves in steps of 0.01
-    base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration", "4", "--overwrite",
-            "--checkpoint-every", "100000", "--eval-seeds", "8"]
-    curves, started = {}, time.time()
-    for name, flags in METHODS.items():
-        # rollout NFE per iteration of this method, counted, sets its iteration count for the shared budget
-        per_iter = _nfe_per_iteration(flags)
-        iters = max(2, args.budget_nfe // per_iter)
-        for seed in range(args.seeds):
-            out = os.path.join(args.output_dir, f"{name.replace(' ', '_').replace('{', '').replace('}', '')}_s{seed}")
-            _train([*base, *flags, "--seed", str(seed), "--num-iterations", str(iters),
-                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out])
-            rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-            nfe, wall, points = 0, 0.0, []
-            for r in rows:
-                nfe += r.get("perf/nfe", 0)
-                wall += r.get("time/iteration", 0.0)
-                if "eval/success/shapes" in r:
-                    points.append((nfe, wall, r["eval/success/shapes"], r["eval/reward/shapes"]))
-            curves.setdefault(name, []).append(points)
-    fractions = (0.25, 0.5, 1.0)
-    print("| method | " + " | ".join(f"success at {int(f * 100)} % of {args.budget_nfe:,} NFE" for f in fractions)
-          + " | reward at 100 % | gap to G2RPO {1,2,3}: success, reward (seed stds) | wall s |")
-    print("|---|" + "---|" * (len(fractions) + 3))
-    table, reference = {}, next(iter(curves))
-    mean_std = lambda values: (float(values.mean()), float(values.std()) if len(values) > 1 else 0.0)
-    for name, runs in curves.items():
-        cells = [mean_std(torch.tensor([_interp(run, f * args.budget_nfe) for run in runs])) for f in fractions]
-        table[name] = {"cells": cells, "reward": mean_std(torch.tensor([run[-1][3] for run in runs])),
-                       "wall": sum(run[-1][1] for run in runs) / len(runs)}
-    for name, row in table.items():
-        # the gap at the full budget over the pooled seed standard deviation of the two methods (a z-like score)
-        gaps = []
-        for (mean, std), (ref_mean, ref_std) in [(row["cells"][-1], table[reference]["cells"][-1]),
-                                                 (row["reward"], table[reference]["reward"])]:
-            pooled = ((std**2 + ref_std**2) / 2) ** 0.5
-            gaps.append((mean - ref_mean) / pooled if pooled > 0 else float("nan"))  # nan: one seed, no spread
-        row["gap_in_stds"] = {k: g if g == g else None for k, g in zip(("success", "reward"), gaps)}
-        gap = "-" if name == reference else ", ".join("n/a" if g != g else f"{g:+.1f}" for g in gaps)
-        print(f"| {name} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in row["cells"])
-              + f" | {row['reward'][0]:.4f} ± {row['reward'][1]:.4f} | {gap} | {row['wall']:.0f} |")
-    start = curves[reference][0][0][2]
-    best = max(table, key=lambda n: table[n]["cells"][-1][0])
-    print(f"\nat the full budget the highest held-out success rate is {best} ({table[best]['cells'][-1][0]:.3f}; "
-          f"all start at {start:.3f}); part 3 took {(time.time() - started) / 60:.0f} minutes")
+    print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} training seeds a "
+          f"method, {args.budget_nfe:,} rollout NFE each)\n")
+    base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration", "4",
+            "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
+            "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
+    runs, started = [], time.time()
+    chosen = {name: f for name, f in METHODS.items() if not args.methods or name in (REFERENCE, *args.methods)}
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
+    for name, method_flags in chosen.items():
+        # this method's rollout NFE per iteration, counted, sets its iteration count for the shared budget
+        iters = max(2, args.budget_nfe // _nfe_per_iteration(method_flags))
+        offset = OTHER_SEEDS if name == "control: G2RPO on other seeds" else 0
+        for seed in range(offset, offset + args.seeds):
+            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+            out = os.path.join(args.output_dir, f"{slug}_s{seed}")
+            argv = [*base, *method_flags, "--seed", str(seed), "--num-iterations", str(iters),
+                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out]
+            runs.append((name, seed, argv, out))
+    todo = [run for run in runs if not _finished(*run[2:])]
+    print(f"{len(runs)} runs, {len(runs) - len(todo)} already finished in {args.output_dir}; running {len(todo)} "
+          f"({args.jobs or 1} at a time, one torch thread each)" if args.jobs else
+          f"{len(runs)} runs, {len(runs) - len(todo)} already finished; running {len(todo)} in this process")
+    _run_all(todo, args.jobs)
+    curves = {}
+    for name, seed, argv, out in runs:
+        curves.setdefault(name, []).append(_read_curve(out))
+    table = report(curves, args)
+    print(f"\npart 3 took {(time.time() - started) / 60:.0f} minutes")
     _plot(curves, os.path.join(args.output_dir, "learning_per_compute.png"))
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
-        json.dump({"curves": curves, "table": table}, f)
+        json.dump({"curves": curves, "table": table, "budget_nfe": args.budget_nfe, "seeds": args.seeds}, f)
     return table
+
+
+def report(curves, args):
+    """The table: each method's success rate and reward at the full budget, with 95 % intervals over training
+    seeds, and its gap to G2RPO {1,2,3} with its interval; a gap is told apart only where its interval excludes 0.
+    The interval's half-width is the smallest gap this run could tell apart."""
+    final = {name: [run[-1] for run in runs] for name, runs in curves.items()}  # (nfe, wall, success, reward, se)
+    reference = final[REFERENCE]
+    print("| method | success (95 % CI) | gap to G2RPO {1,2,3} (95 % CI) | told apart | reward (95 % CI) | "
+          "reward gap (95 % CI) | eval s.e. | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    table = {}
+    for name, points in final.items():
+        paired = name != "control: G2RPO on other seeds"
+        row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
+               "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points)}
+        if name != REFERENCE:
+            row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in reference], paired)
+            row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in reference], paired)
+            row["told_apart"] = abs(row["gap"][0]) > row["gap"][1]  # False when the interval is nan
+        table[name] = row
+        ci = lambda m, h, f: f"{m:{f}} ± {h:{f.lstrip('+')}}" if h == h else f"{m:{f}} ± n/a"
+        cells = ["-", "-", "-"] if name == REFERENCE else [
+            ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f")]
+        print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
+              f"{cells[2]} | {row['eval_se']:.3f} | {row['wall']:.0f} |")
+    start = curves[REFERENCE][0][0][2]
+    print(f"\nEvery method starts at a held-out success rate of {start:.3f}. A gap's ± is the half-width of its 95 % "
+          f"interval (paired on training seeds; Welch's for the other-seeds control): the smallest gap this run "
+          f"could tell apart. The verdicts:")
+    for name, verdict in [("control: G2RPO on other seeds", False), ("control: no learning (lr 0)", True)]:
+        if name not in table:
+            continue
+        got = table[name]["told_apart"]
+        print(f"- {name}: {'told apart' if got else 'not told apart'}"
+              f"{'' if got == verdict else ' (THE BENCH FAILS THIS CONTROL)'}")
+    credit = table.get("control: step credit destroyed")
+    if credit:
+        print(f"- control: step credit destroyed: {'told apart' if credit['told_apart'] else 'not told apart'} "
+              f"(gap {credit['gap'][0]:+.3f} ± {credit['gap'][1]:.3f}): "
+              + ("this world rewards G2RPO's per-step credit" if credit["told_apart"] and credit["gap"][0] < 0 else
+                 "at this budget this world cannot test the per-step credit assignment"))
+    widths = {n: table[n]["gap"][1] for n in ("full SDE, same M", "G2RPO {1}") if n in table}
+    print("- headline half-widths: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
+          + (" (all <= 0.05)" if all(w <= 0.05 for w in widths.values()) else " (above the 0.05 target)"))
+    return table
+
+
+def _finished(argv, out):
+    """Whether `out` holds this run, complete: its marker names the same command (a killed bench resumes there)."""
+    try:
+        with open(os.path.join(out, "bench_run.json")) as f:
+            return json.load(f)["argv"] == argv
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _run_all(todo, jobs):
+    """Each run to its end, then its marker: `jobs` subprocesses side by side, one torch thread each, so a result
+    does not depend on how many runs share the machine; jobs 0: one after another in this process."""
+    def one(run):
+        name, seed, argv, out = run
+        argv = [*argv, "--overwrite"]  # a run cut short starts again
+        if jobs:
+            import subprocess
+
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                "train.py"), *argv], capture_output=True, text=True,
+                                  env=env)
+            if proc.returncode:
+                raise SystemExit(f"error: {name} seed {seed} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        else:
+            _train(argv)
+        with open(os.path.join(out, "bench_run.json"), "w") as f:
+            json.dump({"argv": run[2]}, f)
+        print(f"  done: {name}, seed {seed}", flush=True)
+
+    if not jobs:
+        for run in todo:
+            one(run)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in [pool.submit(one, run) for run in todo]:
+            future.result()
+
+
+def _read_curve(out):
+    """(cumulative rollout NFE, cumulative wall s, success, reward, success s.e.) at each evaluation of a run."""
+    nfe, wall, points = 0, 0.0, []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            nfe += r.get("perf/nfe", 0)
+            wall += r.get("time/iteration", 0.0)
+            if "eval/success/shapes" in r:
+                points.append((nfe, wall, r["eval/success/shapes"], r["eval/reward/shapes"],
+                               r.get("eval/success_se/shapes", float("nan"))))
+    return points
 
 
 def _train(argv):
@@ -255,31 +395,21 @@ def _train(argv):
         raise
 
 
-def _nfe_per_iteration(flags):
-    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed sampler: its mean over a
-    sweep of its window's positions)."""
+def _nfe_per_iteration(flags_):
+    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed samplers: the mean over
+    their windows' first cycle, or 64 random draws)."""
     import train
 
-    a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags])
+    a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags_])
     sigmas, gens = sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(4)]
-    kw = dict(group_size=a.group_size, eta=a.eta, max_batch=10**6)
-    if a.sampling == "g2rpo":
-        return rollout_g2rpo(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=a.sde_steps,
-                             granularities=a.granularities, **kw).nfe
-    if a.sampling == "full":
-        return rollout_full_sde(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=a.sde_steps, **kw).nfe
-    sweep = range(0, a.window_every * (a.num_steps - a.window_size + 1), a.window_every)
-    counts = [rollout_mixed(zero_velocity, torch.zeros(4, 1), sigmas, gens, sde_steps=train.trained_steps(a, it),
-                            **kw).nfe for it in sweep]
+    noise = torch.zeros(4, 1) if a.same_noise else torch.zeros(4, a.group_size, 1)
+    a.max_batch = 10**6
+    count = lambda it: train.roll_out(a, zero_velocity, noise, sigmas, gens, train.trained_steps(a, it)).nfe
+    if a.sampling != "mixed":
+        return count(0)
+    sweep = range(64) if a.window_schedule == "random" else range(0, a.window_every * a.num_steps, a.window_every)
+    counts = [count(it) for it in sweep]
     return sum(counts) // len(counts)
-
-
-def _interp(points, nfe):
-    """Eval success at `nfe` by linear interpolation between evaluations (the last value past the end)."""
-    for (n0, _, r0, _), (n1, _, r1, _) in zip(points, points[1:]):
-        if n0 <= nfe <= n1:
-            return r0 + (r1 - r0) * (nfe - n0) / max(1, n1 - n0)
-    return points[-1][2]
 
 
 def _plot(curves, path):
@@ -289,22 +419,23 @@ def _plot(curves, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (name, runs), colour in zip(curves.items(), [f"C{i}" for i in range(len(curves))]):
+    for (name, runs), colour in zip(curves.items(), [f"C{i % 10}" for i in range(len(curves))]):
+        style = "--" if name.startswith("control") else "-"
         for run in runs:  # every seed, faint
-            nfe, wall, success, _ = zip(*run)
+            nfe, wall, success = list(zip(*run))[:3]
             axes[0].plot(nfe, success, color=colour, alpha=0.15)
             axes[1].plot(wall, success, color=colour, alpha=0.15)
         # the mean over seeds at each evaluation (the seeds of a method evaluate at the same NFE)
         mean = torch.tensor([[point[:3] for point in run] for run in runs], dtype=torch.float64).mean(0)
-        axes[0].plot(mean[:, 0], mean[:, 2], color=colour, linewidth=2, marker="o", markersize=3, label=name)
-        axes[1].plot(mean[:, 1], mean[:, 2], color=colour, linewidth=2, marker="o", markersize=3, label=name)
+        axes[0].plot(mean[:, 0], mean[:, 2], style, color=colour, linewidth=2, marker="o", markersize=3, label=name)
+        axes[1].plot(mean[:, 1], mean[:, 2], style, color=colour, linewidth=2, marker="o", markersize=3, label=name)
     axes[0].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     axes[0].set_xlabel("cumulative rollout NFE")
     axes[1].set_xlabel("cumulative wall time (s)")
     for ax in axes:
         ax.set_ylabel("held-out success rate")
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -312,7 +443,8 @@ def _plot(curves, path):
 
 def main(args: Args):
     if args.quick:
-        args.seeds, args.budget_nfe = 1, 1_000
+        args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 500, 0, 1, 1
+        args.extra = ("--eval-prompts", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"

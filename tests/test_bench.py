@@ -1,4 +1,4 @@
-"""bench.py --quick runs every part and its numbers are consistent.
+"""bench.py --quick runs every part and its numbers are consistent; part 3's statistics on hand-made numbers.
 
 Run: python -m pytest -q tests/test_bench.py
 """
@@ -11,10 +11,34 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     ref = rows[("G2RPO reference code", "G 12, N 16, M 0..7, Lambda {1, 2}")]
     ours = rows[("G2RPO, this project", "G 12, N 16, M 0..7, Lambda {1, 2}")]
     assert (ref[2], ref[3], ours[2]) == (1792, 1792, 1504) and ours[3] < 40
+    # each recipe at its peer's published settings: DanceGRPO 192 NFE and 12 x 9 training forwards, Flow-GRPO 144
+    # and 24 x 5, MixGRPO 300 (one shared step, then 12 members x 24) and 12 x 4
+    recipes = {r[0]: (r[2], r[4]) for r in out["rollout_cost"] if r[0].startswith("--method")}
+    assert recipes["--method dancegrpo"] == (192, 108) and recipes["--method flow-grpo"] == (144, 120)
+    assert recipes["--method mixgrpo"] == (300, 48)
     speed = out["speed"]
     assert speed["batched"]["nfe"] < speed["reference"]["nfe"]
     assert speed["batched"]["sampling"] < speed["reference"]["sampling"]
-    assert set(out["learning"]) == set(bench.METHODS)
+    table = out["learning"]
+    assert set(table) == set(bench.METHODS)
+    assert all(0 <= row["success"][0] <= 1 for row in table.values())
+    assert all("gap" in row for name, row in table.items() if name != bench.REFERENCE)
     assert (tmp_path / "quick" / "learning_per_compute.png").exists()
     printed = capsys.readouterr().out
-    assert "## 1." in printed and "## 2." in printed and "## 3." in printed
+    assert "## 1." in printed and "## 2." in printed and "## 3." in printed and "headline half-widths" in printed
+    # a second bench in the same folder keeps every finished run
+    bench.main(bench.Args(quick=True, tiny_cache=tiny_cache, output_dir=str(tmp_path), parts=(3,)))
+    assert f"{2 * len(bench.METHODS)} already finished; running 0" in capsys.readouterr().out
+
+
+def test_intervals_on_hand_made_numbers():
+    # mean 2, sample std sqrt(2 / 3) over 4 values: half-width t(0.975, 3) std / sqrt(4)
+    mean, half = bench.interval([1.0, 2.0, 3.0, 2.0])
+    assert abs(mean - 2) < 1e-12 and abs(half - 3.182 * (2 / 3) ** 0.5 / 2) < 1e-9
+    # paired on seeds: the seed-to-seed spread shared by both methods cancels
+    a, b = [0.30, 0.50, 0.70, 0.40], [0.25, 0.46, 0.64, 0.36]
+    gap, half = bench.gap_interval(a, b, paired=True)
+    assert abs(gap - 0.0475) < 1e-12 and 0 < half < 0.01  # differences 0.05 0.04 0.06 0.04
+    unpaired_gap, unpaired_half = bench.gap_interval(a, b, paired=False)
+    assert abs(unpaired_gap - gap) < 1e-12 and unpaired_half > 10 * half
+    assert bench.t975(1) == 12.706 and bench.t975(23.7) == 2.074 and bench.t975(1000) == 1.96
