@@ -68,9 +68,6 @@ RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forw
                # the baselines' axes (README "Baselines"); a configuration written before them ran their defaults
                "window_schedule", "window_end", "method", "sde_type", "decode", "timestep_fraction", "adv_std",
                "same_noise", "kl_form", "reward_fusion"]
-AXIS_DEFAULTS = dict(window_schedule="wrap", window_end=0, method="g2rpo", sde_type="flow", decode="sample",
-                     timestep_fraction=1.0, adv_std="group", same_noise=True, kl_form="exact",
-                     reward_fusion="advantage")
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32
@@ -344,10 +341,13 @@ def read_trainer_state(path):
     return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
 
 
-def incompatible(saved: dict, current: dict):
-    """The first config field that differs between a checkpoint and this run, or None."""
+def incompatible(saved: dict, current: dict, defaults: dict):
+    """The first config field that differs between a checkpoint and this run, or None. `defaults`: the flags'
+    defaults, for the keys a configuration written before them lacks (it ran with those)."""
+    if saved.get("window_random"):  # the flag --window-schedule random replaced
+        saved = {**saved, "window_schedule": "random"}
     for key in RESUME_KEYS:
-        before = saved.get(key, AXIS_DEFAULTS.get(key))
+        before = saved.get(key, defaults.get(key))
         if json.dumps(before) != json.dumps(current.get(key)):
             return key, before, current.get(key)
     return None

@@ -44,8 +44,9 @@ from run import eval_noise_generator, fail, read_prompts
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # What evaluation adds to the training presets (flags.PRESETS, whose sampling settings and held-out prompt file it
-# takes): seeds per prompt (default: the preset's last evaluation's, --final-eval-seeds or --eval-seeds), images per transformer call, metrics. A checkpoint's
-# config.json takes precedence over the presets; flags take precedence over both.
+# takes): seeds per prompt (default: the preset's last evaluation's, --final-eval-seeds or --eval-seeds), images
+# per transformer call, metrics. A checkpoint's config.json takes precedence over the presets; flags take precedence
+# over both.
 EVAL_DEFAULTS = {
     "flux": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "sd3": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
@@ -85,7 +86,7 @@ class BaseArgs:
     num_prompts: int = 0
     """Evaluate only the first this many prompts; 0 = all."""
     seeds: Optional[int] = None
-    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 8, as its training eval)."""
+    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 96, as its training run's last evaluation)."""
     metrics: list[str] = field(default_factory=list)
     """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
     hps clip pickscore imagereward; shapes for tiny)."""

@@ -2,7 +2,8 @@
 
 `TrainArgs` holds every flag with its meaning, typical range, the paper's symbol and the reference value; each
 reward's model paths join them as flags of their own (rewards.REWARDS declares them). `--model` picks a preset of
-defaults (`PRESETS`), which every other flag overrides. `check_flags` checks every flag before anything is loaded or
+defaults (`PRESETS`), `--method` a recipe over it (`METHODS`: G2RPO or a peer as its authors run it), and every
+other flag overrides both. `check_flags` checks every flag before anything is loaded or
 written (each numeric flag has its range in `RULES`; a test checks that none is missing) and prints the notes that
 need no model; `warn_long_prompts` is the one warning that needs the tokenizer.
 """
@@ -233,8 +234,8 @@ PRESETS = {
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
                  rewards=["shapes=1.0"], num_iterations=80, lr=1e-4, weight_decay=0.0, clip_range=1e-3,
-                 eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40, gradient_checkpointing=False,
-                 mixed_precision="no", prompt_file="prompts/tiny_train.txt",
+                 eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
+                 gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
                  window_size=2, window_every=4),  # a window for its 8 steps and 80 iterations (--sampling mixed)
 }
@@ -298,7 +299,7 @@ def recipe_values(method: str, model: str, num_steps: int) -> dict:
 
 def _given(argv, name: str) -> bool:
     """Whether the command line sets the flag of field `name` (--name value or --name=value; tyro's --no-name)."""
-    spelled = {flag(name), flag(name).replace("-", "_"), "--no-" + name.replace("_", "-"), "--no_" + name}
+    spelled = {flag(name), "--" + name, "--no-" + name.replace("_", "-"), "--no_" + name}
     return any(a.split("=", 1)[0] in spelled for a in argv)
 
 
@@ -453,10 +454,15 @@ def _check_axes(args):
         fail("--no-same-noise: G2RPO's members branch off one anchor trajectory, so they share x_T; "
              f"per-member noise is for {whole}")
     if args.decode == "x0" and args.sampling == "g2rpo":
-        fail(f"--decode x0: G2RPO's completions end with an ODE step, whose sample is its x0_hat; --decode is for {whole}")
-    if args.sampling != "mixed" and int(args.timestep_fraction * len(args.sde_steps)) < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} of {len(args.sde_steps)} --sde-steps trains no step; "
-             f"use at least {1 / len(args.sde_steps):.3g}")
+        fail(f"--decode x0: G2RPO's completions end with an ODE step, whose sample is its x0_hat; "
+             f"--decode is for {whole}")
+    trained = len(args.sde_steps) if args.sampling != "mixed" else 1  # a window may shrink to 1 step (mixgrpo)
+    if int(args.timestep_fraction * trained) < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} of {trained} trained steps trains none; use at least "
+             f"{1 / trained:.3g}" + (" (a window can be 1 step; 1 = every step)" if args.sampling == "mixed" else ""))
+    if args.step_credit != "own" and args.sampling != "g2rpo":
+        fail(f"--step-credit {args.step_credit} moves advantages between steps, and a whole trajectory has one for "
+             f"all of them; it is a control for --sampling g2rpo")
     if args.member_chunks > 1 and args.step_per_sde_step:
         fail(f"--member-chunks {args.member_chunks} splits the accumulated gradient, which --step-per-sde-step does "
              f"not accumulate; add --no-step-per-sde-step")

@@ -14,7 +14,8 @@ Shapes: B prompts, G group size, K SDE steps, S start latents per prompt (1 for 
 The baselines' updates (README "Baselines") reuse this loop: a member may train only some of the steps
 (`random_step_mask`, DanceGRPO), and the gradients may accumulate over chunks of members before an optimizer step.
 
-Deviations from the reference code (numbers of the README's list): 14 (the baselines), 5 (one optimizer step per k by default, or one
+Deviations from the reference code (numbers of the README's list): 14 (the baselines), 5 (one optimizer step per
+k by default, or one
 on the averaged objective), 8 (a non-finite gradient skips the optimizer step).
 """
 import math
@@ -52,13 +53,13 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, cli
     old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
     advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
     prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
-    rows = torch.arange(B * S, device=start_latents.device)
+    rows = torch.arange(B * S, device=start_latents.device)  # (B*S,) the start latents forwarded
     if weights is not None:
         weights = weights.reshape(B * S, members).to(start_latents.device)  # (B*S, G/S)
-        trains = weights.gt(0).any(1)  # (B*S,)
-        count = int(trains.sum()) if sync_rows is None else sync_rows(int(trains.sum()))
+        active = weights.gt(0).any(1)  # (B*S,)
+        count = int(active.sum()) if sync_rows is None else sync_rows(int(active.sum()))
         # the training rows, then (to match the other ranks' calls) rows of weight 0, which add no gradient
-        rows = torch.cat([rows[trains], rows[~trains]])[:count].sort().values
+        rows = torch.cat([rows[active], rows[~active]])[:count].sort().values  # (count,)
     loss, kl, log_ratios = 0.0, 0.0, []
     for chunk in rows.split(max_batch) if len(rows) else []:
         chunk_size, x = len(chunk), start_latents[chunk]  # x: (chunk_size, ...)
@@ -120,7 +121,7 @@ def optimizer_step(params, optimizer, max_grad_norm):
 
 def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
                  step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None, sde_type="flow",
-                 kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None):
+                 kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None, all_sum=None, world=1):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
     grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps.
@@ -131,16 +132,18 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
                                 split into `member_chunks` chunks, one step each (1: one step an iteration), on
                                 the mean over its (member, step) pairs (DanceGRPO, Flow-GRPO, MixGRPO).
     train_mask: None (every member trains every step), or (B, K, G) bool, the steps each member trains (DanceGRPO's
-    random subset per member). sync_rows: see `step_loss_backward`.
+    random subset per member). sync_rows: see `step_loss_backward`. all_sum(n): the sum of n over the `world`
+    ranks, so that a mean over (member, step) pairs is over every rank's pairs (DDP then averages the gradients).
     """
     B, K, G = advantages.shape
     options = dict(eta=eta, clip_range=clip_range, max_batch=max_batch, kl_beta=kl_beta,
                    reference_velocity_fn=reference_velocity_fn, sde_type=sde_type, kl_form=kl_form)
     per_step, grad_norms = [], []
     optimizer.zero_grad(set_to_none=True)
-    chunks = torch.arange(G).tensor_split(1 if step_per_sde_step else member_chunks)  # member indices
-    masked = train_mask is not None or len(chunks) > 1
-    if not masked:
+    chunks = torch.arange(G).tensor_split(1 if step_per_sde_step else member_chunks)  # member indices, (G/C,) each
+    weighted = train_mask is not None or len(chunks) > 1
+    all_sum = all_sum or (lambda n: n)
+    if not weighted:
         for ki in range(K):
             # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
             per_step.append(step_loss_backward(
@@ -151,20 +154,26 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     else:
         mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
         for members in chunks:
-            in_chunk = torch.zeros(G, dtype=torch.bool)
+            in_chunk = torch.zeros(G, dtype=torch.bool)  # (G,)
             in_chunk[members] = True
-            trains = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step (or steps)
+            pairs = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step (or steps)
+            chunk_pairs = all_sum(int(pairs.sum()))  # on every rank
             for ki in range(K):
-                # the mean over the pairs of one optimizer step: over step k's, or over the chunk's of every k
-                pairs = trains[:, ki].sum() if step_per_sde_step else trains.sum()
-                weights = trains[:, ki].float() / pairs.clamp_min(1)  # (B, G)
+                # L = sum over the step's pairs of l / n: the mean over every rank's pairs of one optimizer step, over
+                # step k's, or over the chunk's of every k (times `world`: DDP divides the summed gradient by it)
+                total = all_sum(int(pairs[:, ki].sum())) if step_per_sde_step else chunk_pairs
+                if total == 0:  # no rank trains this step: no forward, no optimizer step
+                    continue
+                weights = pairs[:, ki].float() * world / total  # (B, G)
                 per_step.append(step_loss_backward(velocity_fn, rollout, advantages[:, ki], sigmas, ki,
                                                    loss_scale=1.0, weights=weights, sync_rows=sync_rows, **options))
                 if step_per_sde_step or ki == K - 1:
                     grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
-    per_step = [s for s in per_step if s is not None]
+    per_step = [s for s in per_step if s is not None]  # (steps no member of this rank trains give None)
+    if not per_step:
+        per_step = [dict(loss=0.0, kl=0.0, approx_kl=0.0, clipfrac=0.0, ratio_mean=1.0, ratio_max=1.0)]
     stats = {name: sum(s[name] for s in per_step) / len(per_step) for name in per_step[0]}
-    if masked:  # each entry holds its share of an optimizer step's objective: the objective, averaged over steps
+    if weighted and grad_norms:  # each entry holds its share of an optimizer step's objective: the mean objective
         stats.update({name: sum(s[name] for s in per_step) / len(grad_norms) for name in ("loss", "kl")})
     stats["ratio_max"] = max(s["ratio_max"] for s in per_step)
     taken = [g for g in grad_norms if math.isfinite(g)]

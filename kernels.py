@@ -178,7 +178,7 @@ class Kernels:
             self._reference = saved
 
 
-def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None):
+def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None, sde_type="flow"):
     """The update's loss for the first prompt at its first trained step, as a closure for `check_gradient`: one
     forward scores the members of the first start latent, through `g2rpo.clipped_loss` without its clip (at the
     first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the reference kernel's
@@ -198,7 +198,7 @@ def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None):
         velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
         shape = (members, *start.shape[1:])
         _, log_probs = sde_step(start.expand(shape), velocity.expand(shape), sigmas, k, eta,
-                                next_latents=targets)  # (G/S,)
+                                next_latents=targets, sde_type=sde_type)  # (G/S,)
         return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0, :members],
                             weights.to(log_probs.device), float("inf"))
     return loss_fn

@@ -3,6 +3,7 @@ fault counting, metrics and trackers, sample grids, EMA weights, and the check t
 
 train.py calls a `Run` at fixed points of its loop; nothing here knows how a rollout or an update works.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -93,6 +94,15 @@ def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
     parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.to(device).contiguous())
     return torch.cat(parts).to(tensor.device)
+
+
+def all_sum(n: int, distributed: bool) -> int:
+    """The sum of every rank's n (a mean over every rank's trained (member, step) pairs needs their count)."""
+    if not distributed:
+        return n
+    t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return int(t.item())
 
 
 def all_max(n: int, distributed: bool) -> int:
@@ -193,7 +203,9 @@ class Run:
         if args.resume and resume_from is None:  # e.g. a run that died before its first checkpoint
             self.log(f"note: '{self.out}' holds no complete checkpoint to resume; starting afresh in it")
         if resume_from:
-            diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config)
+            defaults = {f.name: f.default for f in dataclasses.fields(self.args)
+                        if f.default is not dataclasses.MISSING}
+            diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config, defaults)
             if diff:
                 fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
                      f"{diff[2]} here); resume with the same settings or use a new --output-dir")

@@ -93,7 +93,8 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, s
     if sde_type == "cps":
         # Flow-GRPO's CPS log-prob: -(x_next - mean)^2, the Gaussian's up to its constant and its 1 / (2 std^2)
         # scale (std is the same under the old and the new policy, so the ratio keeps its sign but not its size:
-        # its clip range is 1e-5 rather than 1e-4). The last step (sigma' = 0) is deterministic and scores 0.
+        # its clip range is 1e-5 rather than 1e-4). The last step (sigma' = 0) is deterministic: its sample scores 0
+        # at sampling time (and is never trained).
         log_prob = -((next_latents - mean) ** 2)
     else:
         # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of

@@ -1,13 +1,15 @@
 """Train a text-to-image flow model with G2RPO: the program users run, and where the iteration reads top to bottom.
 
 One iteration (`iteration` below), on each rank, for its own prompts (a group never spans ranks, so advantages need
-no communication):
-  1. encode the prompts; draw one initial noise per prompt and per-prompt SDE noise, seeded by
-     (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after a resume;
+no communication, except Flow-GRPO's global std, which gathers every rank's rewards):
+  1. encode the prompts; draw one initial noise per prompt (or per member: --no-same-noise) and per-prompt SDE
+     noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after
+     a resume;
   2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions; or, for the
      baselines (--method), whole trajectories (full SDE, or SDE inside a window with ODE elsewhere: --sampling);
   3. decode every final latent and score it with every reward model (rewards.py);
-  4. advantages per (reward, granularity, step), normalised in the group and summed (advantage.py);
+  4. advantages per (reward, granularity, step), normalised in the group (or by the batch's std) and summed
+     (advantage.py);
   5. the clipped policy update (g2rpo.py): G2RPO's members of a prompt share their start latent, so one forward per
      prompt and trained step scores all G; the baselines' members each have their own, one forward per member.
 Around it (run.py): the output folder and its lock, checkpoints and resume, signals, faults, metrics, grids. The
@@ -39,7 +41,7 @@ from flags import parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask
 from kernels import update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import EMA, Run, all_gather, all_max, all_mean, any_rank, eval_noise_generator, fail
+from run import EMA, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator, fail
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,7 +239,8 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
                              max_batch=args.max_batch, kl_beta=args.kl_beta,
                              reference_velocity_fn=reference_velocity_fn(args, policy, cond),
                              sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
-                             member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed))
+                             member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed),
+                             all_sum=lambda n: all_sum(n, distributed), world=world)
     elif finite_rewards:
         stats = {"optimizer_steps": 0, "skipped_steps": 0}
     else:
@@ -421,7 +424,7 @@ def gradient_check(args, policy, sigmas, log):
 
     def check(update_velocity, rollout, advantages):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
-        loss_fn = update_loss(update_velocity, rollout, sigmas, args.eta)
+        loss_fn = update_loss(update_velocity, rollout, sigmas, args.eta, sde_type=args.sde_type)
         result = policy.adapter.kernels.check_gradient(loss_fn, policy.params)
         if not result.ok:
             raise SystemExit(f"error: gradient self-check failed: {result.message}")

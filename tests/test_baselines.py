@@ -230,7 +230,9 @@ def test_an_impossible_axis_is_refused_in_one_line(capsys):
                         (["--method", "dancegrpo", "--member-chunks", "20"], "more than the --group-size"),
                         (["--member-chunks", "2"], "--no-step-per-sde-step"),
                         (["--method", "flow-grpo-fast", "--eta", "1.5"], "(0, 1]"),
-                        (["--method", "dancegrpo", "--timestep-fraction", "0.1"], "trains no step"),
+                        (["--method", "dancegrpo", "--timestep-fraction", "0.1"], "trains none"),
+                        (["--method", "mixgrpo", "--timestep-fraction", "0.6"], "a window can be 1 step"),
+                        (["--sampling", "full", "--step-credit", "mean"], "control for --sampling g2rpo"),
                         (["--method", "nope"], "unknown --method")]:
         with pytest.raises(SystemExit) as exit_info:
             flags.check_flags(flags.parse_args(["--model", "tiny", *argv]), world=1)

@@ -248,8 +248,12 @@ def test_list_checkpoints_ignores_partial_and_damaged_folders(tmp_path):
 def test_resume_config_checks_still_work(tmp_path, trained):
     path = save(tmp_path, 1, trained)
     assert checkpoint.read_trainer_state(path)["config"] == {"seed": 0}
-    assert checkpoint.incompatible({"seed": 0}, {"seed": 0}) is None
-    assert checkpoint.incompatible({"seed": 0}, {"seed": 1}) == ("seed", 0, 1)
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 0}, {}) is None
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 1}, {}) == ("seed", 0, 1)
+    # a configuration written before a flag existed ran with its default; --window-random became a schedule
+    assert checkpoint.incompatible({}, {"sde_type": "flow"}, {"sde_type": "flow"}) is None
+    assert checkpoint.incompatible({}, {"sde_type": "cps"}, {"sde_type": "flow"}) == ("sde_type", "flow", "cps")
+    assert checkpoint.incompatible({"window_random": True}, {"window_schedule": "random"}, {}) is None
 
 
 # ---------------------------------------------------------------- metrics.jsonl
