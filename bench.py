@@ -212,12 +212,12 @@ METHODS = {**HEADLINE, **CONTROLS}
 # two-sided 95 % quantiles of Student's t by degrees of freedom (the normal's 1.96 past 30)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-        22: 2.074, 24: 2.064, 26: 2.056, 28: 2.048, 30: 2.042}
+        22: 2.074, 24: 2.064, 26: 2.056, 28: 2.048, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
 
 
 def t975(df: float) -> float:
     """The 97.5 % quantile of Student's t with `df` degrees of freedom (rounded down to the table's)."""
-    return 1.96 if df > 30 else T975[max(d for d in T975 if d <= max(1, int(df)))]
+    return 1.96 if df > 120 else T975[max(d for d in T975 if d <= max(1, int(df)))]
 
 
 def interval(values):
@@ -285,13 +285,14 @@ def report(curves, args):
     final = {name: [run[-1] for run in runs] for name, runs in curves.items()}  # (nfe, wall, success, reward, se)
     reference = final[REFERENCE]
     print("| method | success (95 % CI) | gap to G2RPO {1,2,3} (95 % CI) | told apart | reward (95 % CI) | "
-          "reward gap (95 % CI) | eval s.e. | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "reward gap (95 % CI) | eval s.e. | NFE spent | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     table = {}
     for name, points in final.items():
         paired = name != "control: G2RPO on other seeds"
         row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
-               "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points)}
+               "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points),
+               "nfe": sum(p[0] for p in points) / len(points)}
         if name != REFERENCE:
             row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in reference], paired)
             row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in reference], paired)
@@ -301,7 +302,7 @@ def report(curves, args):
         cells = ["-", "-", "-"] if name == REFERENCE else [
             ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f")]
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
-              f"{cells[2]} | {row['eval_se']:.3f} | {row['wall']:.0f} |")
+              f"{cells[2]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
     start = curves[REFERENCE][0][0][2]
     print(f"\nEvery method starts at a held-out success rate of {start:.3f}. A gap's ± is the half-width of its 95 % "
           f"interval (paired on training seeds; Welch's for the other-seeds control): the smallest gap this run "
@@ -396,8 +397,8 @@ def _train(argv):
 
 
 def _nfe_per_iteration(flags_):
-    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed samplers: the mean over
-    their windows' first cycle, or 64 random draws)."""
+    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed samplers: the mean over one
+    cycle of the sliding window, or over 64 random draws)."""
     import train
 
     a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags_])
@@ -407,7 +408,9 @@ def _nfe_per_iteration(flags_):
     count = lambda it: train.roll_out(a, zero_velocity, noise, sigmas, gens, train.trained_steps(a, it)).nfe
     if a.sampling != "mixed":
         return count(0)
-    sweep = range(64) if a.window_schedule == "random" else range(0, a.window_every * a.num_steps, a.window_every)
+    # one position of each of the cycle's windows: mixgrpo's starts 0..N-2 (the last empty), wrap's 0..N-size
+    positions = {"random": 64, "mixgrpo": a.num_steps - 1, "wrap": a.num_steps - a.window_size + 1}[a.window_schedule]
+    sweep = range(64) if a.window_schedule == "random" else range(0, a.window_every * positions, a.window_every)
     counts = [count(it) for it in sweep]
     return sum(counts) // len(counts)
 

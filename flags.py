@@ -345,6 +345,15 @@ def preset(model: str, method: str = "g2rpo") -> dict:
     return dataclasses.asdict(Args(model=model, method=method, **{**PRESETS[model], **values}))
 
 
+def changed_from_preset(args) -> list[str]:
+    """The flags of a run that differ from its --model and --method defaults, where they change what is computed
+    (not its seed, folder, cache, logging or run management)."""
+    ignored = {"seed", "output_dir", "tiny_cache", "resume", "overwrite", "log_with", "run_name", "tracker_project",
+               "dist_timeout_minutes", "max_faults", "checkpoint_every", "max_batch", "reward_batch_size"}
+    defaults = preset(args.model, args.method)
+    return [flag(k) for k, v in dataclasses.asdict(args).items() if k not in ignored and defaults.get(k) != v]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Input checks: all of them, once, before anything is loaded or written
 # ---------------------------------------------------------------------------------------------------------------

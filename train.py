@@ -37,7 +37,7 @@ import torch.distributed as dist
 import checkpoint
 import rewards
 from advantage import granular_advantages, step_credit
-from flags import parse_args, validate, warn_long_prompts
+from flags import changed_from_preset, parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask
 from kernels import update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
@@ -412,6 +412,10 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
         run.check_ranks_agree(policy.params)
     if run.master and before and metrics:
         run.summary(before, metrics, policy.reward_fns)
+        if args.model == "tiny" and "eval/success/shapes" in metrics:  # where the quick start stands
+            import tiny
+
+            run.log(tiny.quick_start_standing(metrics["eval/success/shapes"], changed_from_preset(args)))
 
 
 def gradient_check(args, policy, sigmas, log):
