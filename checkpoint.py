@@ -39,7 +39,8 @@ Works without a process group and under DDP (the full state, written by rank 0),
 fine-tune is written with torch.distributed.checkpoint: each rank writes and reads only its own shards, no rank
 gathers the model or the optimizer state, and a checkpoint saved on N ranks loads on M (DCP reshards). A sharded
 checkpoint's large files are verified by size and by DCP's own metadata (every tensor's file, offset and length
-must lie inside the files), not hashed: hashing 190 GB at every save and resume would cost minutes.
+must lie inside the files), not hashed: hashing a FLUX full fine-tune's 143 GB at every save and resume would cost
+minutes.
 
     python checkpoint.py export runs/flux/checkpoints/iter_000050    # writes its transformer/ (and ema.safetensors)
 """

@@ -9,8 +9,8 @@ model and metric, the mean over all (prompt, seed) images and its standard error
 units (PickScore / 100).
 
 Noise: image (prompt p, seed s) starts from `run.eval_noise_generator(p, s)`, the noise of train.py's held-out
-evaluation, so `--seeds` equal to the run's last evaluation's (`final_eval_seeds`, or `eval_seeds` when 0) reproduces
-its final `eval/reward/*` on the CPU, for a run
+evaluation. For the tiny model, whose evaluation takes every held-out prompt, `--seeds` equal to the run's last
+evaluation's (`final_eval_seeds`, or `eval_seeds` when 0) reproduces its final `eval/reward/*` on the CPU, for a run
 without --ema-decay (train.py then evaluates the EMA weights; this script loads the trained ones) and up to
 precision on a GPU (this script keeps the transformer in bf16, training keeps fp32 master weights).
 
@@ -39,7 +39,8 @@ import tyro
 
 import flags
 import rewards
-from run import eval_noise_generator, fail, read_prompts
+from flags import fail, read_prompts
+from run import eval_noise_generator
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

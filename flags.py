@@ -1,4 +1,4 @@
-"""The flags of a training run, defined once for every script that takes them (train.py, evaluate.py, plan.py).
+"""The flags of a training run, defined once for every script that takes them (train.py, evaluate.py, tools/plan.py).
 
 `TrainArgs` holds every flag with its meaning, typical range, the paper's symbol and the reference value; each
 reward's model paths join them as flags of their own (rewards.REWARDS declares them). `--model` picks a preset of
@@ -20,8 +20,50 @@ import tyro
 import rewards
 from kernels import ATTENTION_BACKENDS
 from models import RESOLUTION_MULTIPLE
-from run import fail, read_prompts
 from sampler import granular_schedule, sigma_schedule
+
+
+def fail(message: str):
+    """Bad input or an unusable state: one line (on rank 0 only, so torchrun shows it once), exit status 2."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def read_prompts(path: str, what: str):
+    """The non-empty lines of a UTF-8 text file (a byte-order mark dropped), or one clear error line; control
+    characters (a NUL, an escape) are refused with their line, since they silently change what a prompt means."""
+    import stat
+
+    if os.path.isdir(path):
+        fail(f"{what} '{path}' is a folder; pass a text file with one prompt a line")
+    if path and os.path.exists(path) and not os.path.isfile(path):
+        mode = os.stat(path).st_mode
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
+                stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        fail(f"{what} '{path}' is {kind}; pass a text file with one prompt a line")
+    if not path or not os.path.isfile(path):
+        hint = how_to_write(path) if path else ""
+        fail(f"{what} '{path}' not found; " + (hint or "pass a text file with one prompt a line"))
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first prompt
+            lines = list(enumerate(f, start=1))
+    except (OSError, UnicodeDecodeError) as err:
+        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file")
+    for number, line in lines:
+        bad = next((c for c in line.rstrip("\r\n") if ord(c) < 32 and c != "\t" or ord(c) == 127), None)
+        if bad is not None:
+            fail(f"{what} '{path}' line {number} holds the control character {bad!r}; remove it (a prompt is text)")
+    prompts = [line.strip() for _, line in lines if line.strip()]
+    if not prompts:
+        fail(f"{what} '{path}' holds no prompts; put one prompt on each line")
+    return prompts
+
+
+def how_to_write(path: str) -> str:
+    """The command that writes a missing prompt file, or '' when no tool of this project writes that file."""
+    hpdv2 = {"hpdv2_train.txt", "hpdv2_test.txt"}
+    return "write it with: python -m tools.hpdv2" if os.path.basename(path) in hpdv2 else ""
 
 
 @dataclass
@@ -63,7 +105,7 @@ class TrainArgs:
     disagree: a wrong kernel would otherwise skip or corrupt every step of a long GPU run."""
     # --- data and output ---
     prompt_file: str = "prompts/hpdv2_train.txt"
-    """Training prompts, one a line (python prompts/hpdv2.py writes HPDv2's)."""
+    """Training prompts, one a line (python -m tools.hpdv2 writes HPDv2's)."""
     eval_prompt_file: str = "prompts/hpdv2_test.txt"
     """Held-out prompts, one a line, for the eval reward and the sample grids."""
     output_dir: str = "runs/flux"
@@ -315,7 +357,7 @@ def _choice(argv, name: str, default: str) -> str:
 def parse_args(argv=None, args_class=None):
     """`--model` picks a preset of defaults and `--method` a recipe over it; every other flag overrides both (and
     --help shows the resulting values). `args_class`: a dataclass derived from Args, for a script that takes these
-    flags and more (plan.py)."""
+    flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
     model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
     if model not in PRESETS:
@@ -376,7 +418,8 @@ RULES = {
     "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
     "prompts_per_iteration": at_least(0, " (0 = one per rank)"), "max_batch": at_least(1),
     "reward_batch_size": at_least(1), "num_iterations": at_least(1),
-    "lr": at_least(0, " (typ. 2e-6 full, 1e-4 LoRA; 0 learns nothing: the bench's control)"), "weight_decay": at_least(0),
+    "lr": at_least(0, " (typ. 2e-6 full, 1e-4 LoRA; 0 learns nothing: the bench's control)"),
+    "weight_decay": at_least(0),
     "clip_range": above(0, " (reference 1e-4)"), "adv_clip_max": above(0, " (reference 5)"),
     "max_grad_norm": above(0, " (reference 1)"), "window_size": at_least(1), "window_stride": at_least(1),
     "window_every": at_least(1), "window_end": at_least(0, " (0 = N)"), "kl_beta": at_least(0, " (0 = no KL term)"),

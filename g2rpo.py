@@ -180,3 +180,26 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     stats["grad_norm"] = sum(taken) / len(taken) if taken else float("nan")
     stats["optimizer_steps"], stats["skipped_steps"] = len(taken), len(grad_norms) - len(taken)
     return stats
+
+
+def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None, sde_type="flow"):
+    """The update's loss for the first prompt at its first trained step, as a closure for `check_gradient`: one
+    forward scores the members of the first start latent, through `g2rpo.clipped_loss` without its clip (at the
+    first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the reference kernel's
+    rounding alone makes). advantages: (B, K, G), or None for ones: then the gradient is the log-likelihood's, which
+    no advantage can zero (a run's first group may have equal rewards). It draws no random numbers, so it can run
+    under each kernel in turn."""
+    k = rollout.sde_steps[0]
+    members = rollout.next_latents.shape[2] // rollout.latents.shape[2]  # G (G2RPO) or 1 (full SDE)
+    start, targets = rollout.latents[:1, 0, 0], rollout.next_latents[0, 0, :members]  # (1, ...), (G/S, ...)
+    index = torch.zeros(1, dtype=torch.long, device=start.device)
+    weights = torch.ones(1, members) if advantages is None else advantages[:1, 0, :members]  # (1, G/S)
+
+    def loss_fn():
+        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
+        shape = (members, *start.shape[1:])
+        _, log_probs = sde_step(start.expand(shape), velocity.expand(shape), sigmas, k, eta,
+                                next_latents=targets, sde_type=sde_type)  # (G/S,)
+        return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0, :members],
+                            weights.to(log_probs.device), float("inf"))
+    return loss_fn

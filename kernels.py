@@ -5,13 +5,14 @@ gradients. `Kernels` is the context of every call: autocast to the compute dtype
 phase (chosen apart, because a fast kernel can be right in one phase and wrong in the other), gradient
 checkpointing whose recompute keeps the forward's kernels, and optional regional compilation. The gradient
 self-check (`check_gradient`) compares the update's gradient with the math kernel's, once, at a run's first update:
-a wrong kernel would otherwise skip or corrupt every step of a long GPU run. `update_loss` is the loss it checks.
+a wrong kernel would otherwise skip or corrupt every step of a long GPU run. `g2rpo.update_loss` is the loss it checks.
 
 Deviation 11 of the README's list: on CUDA the update never uses cuDNN attention, and the first update's gradient is
 checked against the math kernel's.
 """
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,9 @@ def sdpa_backends(name: str, device_type: str):
     CPU gave 0.0477, so the update never learned. An explicit name allows that kernel alone (torch raises if it
     cannot run the inputs, e.g. flash in fp32). Other devices have flash-on-CPU and math only: "math" is math,
     anything else is torch's own choice.
-    The no-grad rollout's "auto" is the same set, although cuDNN's forward may be the fastest (gpu_check.py measures
-    it as `rollout_attention_backend="cudnn"`): its forward has not been verified on that chip either, and a rollout
-    kernel other than the update's moves the first update step's ratio away from 1.
+    The no-grad rollout's "auto" is the same set, although cuDNN's forward may be the fastest (tools/gpu_check.py
+    measures it as `rollout_attention_backend="cudnn"`): its forward has not been verified on that chip either, and a
+    rollout kernel other than the update's moves the first update step's ratio away from 1.
     """
     validate_attention_backend(name)
     if device_type != "cuda":
@@ -111,7 +112,7 @@ class Kernels:
         self.compile, self._compiled = compile, False
         self._reference = None  # inside `reference_mode`: whether the reference computes in fp32
         cuda_only = sorted({attention_backend, rollout_attention_backend} & {"efficient", "cudnn"})
-        if cuda_only and self.device.type != "cuda":
+        if cuda_only and self.device.type != "cuda" and int(os.environ.get("RANK", 0)) == 0:  # said once
             print(f"note: attention backend {' and '.join(cuda_only)} needs CUDA; on {self.device.type} the attention "
                   f"runs on torch's own choice of kernel (flash-on-CPU or math)")
 
@@ -178,32 +179,6 @@ class Kernels:
             self._reference = saved
 
 
-def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None, sde_type="flow"):
-    """The update's loss for the first prompt at its first trained step, as a closure for `check_gradient`: one
-    forward scores the members of the first start latent, through `g2rpo.clipped_loss` without its clip (at the
-    first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the reference kernel's
-    rounding alone makes). advantages: (B, K, G), or None for ones: then the gradient is the log-likelihood's, which
-    no advantage can zero (a run's first group may have equal rewards). It draws no random numbers, so it can run
-    under each kernel in turn."""
-    from g2rpo import clipped_loss
-    from sampler import sde_step
-
-    k = rollout.sde_steps[0]
-    members = rollout.next_latents.shape[2] // rollout.latents.shape[2]  # G (G2RPO) or 1 (full SDE)
-    start, targets = rollout.latents[:1, 0, 0], rollout.next_latents[0, 0, :members]  # (1, ...), (G/S, ...)
-    index = torch.zeros(1, dtype=torch.long, device=start.device)
-    weights = torch.ones(1, members) if advantages is None else advantages[:1, 0, :members]  # (1, G/S)
-
-    def loss_fn():
-        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
-        shape = (members, *start.shape[1:])
-        _, log_probs = sde_step(start.expand(shape), velocity.expand(shape), sigmas, k, eta,
-                                next_latents=targets, sde_type=sde_type)  # (G/S,)
-        return clipped_loss(log_probs[None], rollout.old_log_probs[:1, 0, :members],
-                            weights.to(log_probs.device), float("inf"))
-    return loss_fn
-
-
 # --- the gradient self-check -------------------------------------------------------------------------------------
 @dataclass
 class GradientCheck:
@@ -257,9 +232,9 @@ def check_gradient(loss_fn, params, reference, fp32_reference=None, *, min_cosin
     loss_fn:         () -> a scalar loss through the run's own code path (the update's loss on one rollout sample);
                      it must draw no random numbers, as it is called two or three times.
     reference:       () -> context manager: the math SDPA kernel at the run's precision, eager
-                     (`Adapter.reference_mode(fp32=False)`). This is the gate: only the kernel differs, so the
+                     (`Kernels.reference_mode(fp32=False)`). This is the gate: only the kernel differs, so the
                      gradients agree to rounding (measured on CPU in bf16: cosine 0.99999, relative error 4e-3).
-    fp32_reference:  () -> the math kernel in fp32 (`Adapter.reference_mode()`), where the weights allow it.
+    fp32_reference:  () -> the math kernel in fp32 (`Kernels.reference_mode()`), where the weights allow it.
                      Loosely gated: bf16 rounding of the velocity alone moves the log-prob's gradient (it is
                      driven by x' - mean(v), a small difference of large numbers) to a cosine near 0.96.
     max_numel:       parameters are taken in order until this many (local) elements: the copies stay under 1 GiB.

@@ -16,47 +16,9 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+from flags import fail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def fail(message: str):
-    """Bad input or an unusable state: one line (on rank 0 only, so torchrun shows it once), exit status 2."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def read_prompts(path: str, what: str):
-    """The non-empty lines of a UTF-8 text file (a byte-order mark dropped), or one clear error line; control
-    characters (a NUL, an escape) are refused with their line, since they silently change what a prompt means."""
-    import stat
-
-    if os.path.isdir(path):
-        fail(f"{what} '{path}' is a folder; pass a text file with one prompt a line")
-    if path and os.path.exists(path) and not os.path.isfile(path):
-        mode = os.stat(path).st_mode
-        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
-                stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        fail(f"{what} '{path}' is {kind}; pass a text file with one prompt a line")
-    if not path or not os.path.isfile(path):
-        from prompts.hpdv2 import how_to_write
-
-        hint = how_to_write(path) if path else ""
-        fail(f"{what} '{path}' not found; " + (hint or "pass a text file with one prompt a line"))
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first prompt
-            lines = list(enumerate(f, start=1))
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"{what} '{path}' cannot be read ({type(err).__name__}); pass a readable UTF-8 text file")
-    for number, line in lines:
-        bad = next((c for c in line.rstrip("\r\n") if ord(c) < 32 and c != "\t" or ord(c) == 127), None)
-        if bad is not None:
-            fail(f"{what} '{path}' line {number} holds the control character {bad!r}; remove it (a prompt is text)")
-    prompts = [line.strip() for _, line in lines if line.strip()]
-    if not prompts:
-        fail(f"{what} '{path}' holds no prompts; put one prompt on each line")
-    return prompts
 
 
 def eval_noise_generator(prompt: int, seed: int) -> torch.Generator:
@@ -317,7 +279,8 @@ class Run:
 
     # ---- checkpoints ----
     def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None, final=False):
-        """Save a checkpoint, unless the weights are not finite (then the last good checkpoint stays the newest).
+        """Save a checkpoint; weights that are not finite stop the run instead (the last good checkpoint stays the
+        newest).
         `final`: the run's last, which a sharded full fine-tune also exports as transformer/."""
         # each rank checks its own shards (FSDP2) or copy (DDP): no weights are gathered for it
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]

@@ -79,7 +79,7 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, s
     # fp32 whatever the model's dtype, so the update re-scores a stored step with the rollout's arithmetic. This
     # alone does not make the first ratio 1: the velocity must also match, and the update computes it through the
     # DDP / FSDP2 wrapper under the update's attention kernel, the rollout through the bare transformer under the
-    # rollout's (same weights; the same kernels unless --rollout-attention-backend differs). gpu_check.py measures
+    # rollout's (same weights; the same kernels unless --rollout-attention-backend differs). tools/gpu_check.py measures
     # the first step's ratio at learning rate 0 on the GPU; losses/ratio_mean logs it every iteration.
     x, v = latents.float(), velocity.float()
     if eta == 0:

@@ -349,7 +349,7 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
             pass
         os.remove(os.path.join(cache_dir, ".writable"))
     except OSError as err:
-        from run import fail
+        from flags import fail
 
         fail(f"--tiny-cache '{cache_dir}' is not writable ({err.strerror}); pass a folder you can write to")
     log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")

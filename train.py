@@ -37,157 +37,16 @@ import torch.distributed as dist
 import checkpoint
 import rewards
 from advantage import granular_advantages, step_credit
-from flags import changed_from_preset, parse_args, validate, warn_long_prompts
-from g2rpo import g2rpo_update, random_step_mask
-from kernels import update_loss
+from flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
+from g2rpo import g2rpo_update, random_step_mask, update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import EMA, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator, fail
+from run import EMA, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
-
-# ---------------------------------------------------------------------------------------------------------------
-# Models: the trained transformer (LoRA or full, DDP or FSDP2), its optimizer, the reward models
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class Policy:
-    adapter: object  # models.Adapter: encode, noise, velocity, decode
-    transformer: torch.nn.Module  # the diffusers module (sharded in place under FSDP2)
-    model: torch.nn.Module  # what the update calls: DDP-wrapped for LoRA, else the transformer
-    params: list
-    optimizer: torch.optim.Optimizer
-    reward_fns: dict
-    reward_weights: dict
-    reference: torch.nn.Module | None = None  # frozen base for the KL term of a full fine-tune
-    ema: EMA | None = None
-
-
-def build_policy(args, device, dtype, reward_weights, distributed, log) -> Policy:
-    """Load the pipeline and the reward models, then make the trained policy of them (`make_policy`)."""
-    torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
-    model_path = args.model_path
-    if args.model == "tiny":
-        import tiny
-
-        model_path = tiny.ensure_pretrained_on_ranks(args.tiny_cache, log=log)
-    full = args.lora_rank == 0
-    try:
-        adapter = ADAPTERS[args.model].load(
-            model_path, device, dtype, guidance=args.guidance, max_sequence_length=args.max_sequence_length,
-            offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
-            rollout_attention_backend=args.rollout_attention_backend, compile=args.compile,
-            # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
-            transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full),
-            num_frames=args.num_frames)
-    except ModelLoadError as err:
-        fail(str(err))
-    policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
-    try:
-        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
-                                                            frames_every=args.reward_frames)
-                                  for name in reward_weights})
-    except rewards.RewardError as err:
-        fail(str(err))
-    return policy
-
-
-def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
-    """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
-    DDP (LoRA) or FSDP2 (full) across ranks, AdamW (`foreach`: torch's default, multi-tensor on CUDA) and the EMA.
-    The reward models are added by the caller (`reward_fns`)."""
-    transformer = adapter.transformer
-    full = args.lora_rank == 0
-    if full:
-        transformer.requires_grad_(True)
-    else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha or args.lora_rank, args.lora_feed_forward,
-                 adapter.lora_targets)
-    reference = None
-    if full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
-        import copy
-
-        reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    model = transformer
-    if distributed and not full:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
-    elif distributed:
-        for module in [transformer] + ([reference] if reference is not None else []):
-            _shard(module, dtype, device, mesh)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
-                                  foreach=foreach)
-    ema = None
-    if args.ema_decay > 0:
-        trained = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
-        ema = EMA(trained, args.ema_decay, args.ema_every)
-    return Policy(adapter, transformer, model, params, optimizer, {}, reward_weights, reference, ema)
-
-
-def _shard(module, dtype, device, mesh=None):
-    """FSDP2: shard every transformer block (the classes diffusers lists as `_no_split_modules`), then the rest; the
-    shards alone move to the device. `mesh`: the ranks' device mesh (default: all ranks of the process group)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    block_classes = set(getattr(module, "_no_split_modules", None) or [])
-    for block in [m for m in module.modules() if type(m).__name__ in block_classes]:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
-    module.to(device)
-
-
-def make_velocity_fn(args, policy, module, cond):
-    """v(x, sigma | prompt) of `module` (the transformer, or its DDP wrapper in the update)."""
-    return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.resolution)
-
-
-def reference_velocity_fn(args, policy, cond):
-    """The base model's velocity for the KL term: LoRA with its adapter off, or the frozen copy; None without KL."""
-    if args.kl_beta == 0:
-        return None
-    if policy.reference is not None:
-        return make_velocity_fn(args, policy, policy.reference, cond)
-
-    def base_velocity(x, sigma, idx):
-        policy.transformer.disable_adapters()
-        try:
-            return policy.adapter.velocity(policy.transformer, cond, x, sigma, idx, args.resolution)
-        finally:
-            policy.transformer.enable_adapters()
-
-    return base_velocity
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
-def generators(seed: int, iteration: int, positions):
-    """One CPU generator per prompt, keyed by (seed, iteration, global position in the batch)."""
-    return [torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 10_007 + p) for p in positions]
-
-
-def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
-    """This rank's prompts of iteration `iteration` and their global positions; a new shuffle every epoch."""
-    per_epoch = max(1, len(prompts) // global_batch)
-    epoch, step = divmod(iteration, per_epoch)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    positions = list(range(rank * per_rank, (rank + 1) * per_rank))
-    return [prompts[order[(step * global_batch + p) % len(order)]] for p in positions], positions
-
-
-@torch.no_grad()
-def score(args, policy, latents, prompts):
-    """Decode latents (M, ...) in micro-batches and score them with every reward: (M, R)."""
-    scores = []
-    for i in range(0, latents.shape[0], args.reward_batch_size):
-        images = policy.adapter.decode(latents[i : i + args.reward_batch_size], args.resolution)
-        batch = prompts[i : i + args.reward_batch_size]
-        scores.append(torch.stack([fn(images, batch).cpu() for fn in policy.reward_fns.values()], -1))
-    return torch.cat(scores)  # (M, R)
-
-
 def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first_update_check=None):
     """One G2RPO iteration on this rank's prompts; returns its metrics (floats)."""
     t0 = time.time()
@@ -258,6 +117,31 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
                     "time/update": t3 - t2, "time/iteration": t3 - t0})
     return metrics
+
+
+def generators(seed: int, iteration: int, positions):
+    """One CPU generator per prompt, keyed by (seed, iteration, global position in the batch)."""
+    return [torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 10_007 + p) for p in positions]
+
+
+def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
+    """This rank's prompts of iteration `iteration` and their global positions; a new shuffle every epoch."""
+    per_epoch = max(1, len(prompts) // global_batch)
+    epoch, step = divmod(iteration, per_epoch)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    positions = list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [prompts[order[(step * global_batch + p) % len(order)]] for p in positions], positions
+
+
+@torch.no_grad()
+def score(args, policy, latents, prompts):
+    """Decode latents (M, ...) in micro-batches and score them with every reward: (M, R)."""
+    scores = []
+    for i in range(0, latents.shape[0], args.reward_batch_size):
+        images = policy.adapter.decode(latents[i : i + args.reward_batch_size], args.resolution)
+        batch = prompts[i : i + args.reward_batch_size]
+        scores.append(torch.stack([fn(images, batch).cpu() for fn in policy.reward_fns.values()], -1))
+    return torch.cat(scores)  # (M, R)
 
 
 def roll_out(args, velocity_fn, noise, sigmas, generators, steps):
@@ -435,6 +319,122 @@ def gradient_check(args, policy, sigmas, log):
         log(f"gradient self-check passed: {result.message}")
 
     return check
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models: the trained transformer (LoRA or full, DDP or FSDP2), its optimizer, the reward models
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Policy:
+    adapter: object  # models.Adapter: encode, noise, velocity, decode
+    transformer: torch.nn.Module  # the diffusers module (sharded in place under FSDP2)
+    model: torch.nn.Module  # what the update calls: DDP-wrapped for LoRA, else the transformer
+    params: list
+    optimizer: torch.optim.Optimizer
+    reward_fns: dict
+    reward_weights: dict
+    reference: torch.nn.Module | None = None  # frozen base for the KL term of a full fine-tune
+    ema: EMA | None = None
+
+
+def build_policy(args, device, dtype, reward_weights, distributed, log) -> Policy:
+    """Load the pipeline and the reward models, then make the trained policy of them (`make_policy`)."""
+    torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
+    model_path = args.model_path
+    if args.model == "tiny":
+        import tiny
+
+        model_path = tiny.ensure_pretrained_on_ranks(args.tiny_cache, log=log)
+    full = args.lora_rank == 0
+    try:
+        adapter = ADAPTERS[args.model].load(
+            model_path, device, dtype, guidance=args.guidance, max_sequence_length=args.max_sequence_length,
+            offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
+            rollout_attention_backend=args.rollout_attention_backend, compile=args.compile,
+            # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
+            transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full),
+            num_frames=args.num_frames)
+    except ModelLoadError as err:
+        fail(str(err))
+    policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
+    try:
+        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
+                                                            frames_every=args.reward_frames)
+                                  for name in reward_weights})
+    except rewards.RewardError as err:
+        fail(str(err))
+    return policy
+
+
+def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
+    """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
+    DDP (LoRA) or FSDP2 (full) across ranks, AdamW (`foreach`: torch's default, multi-tensor on CUDA) and the EMA.
+    The reward models are added by the caller (`reward_fns`)."""
+    transformer = adapter.transformer
+    full = args.lora_rank == 0
+    if full:
+        transformer.requires_grad_(True)
+    else:
+        add_lora(transformer, args.lora_rank, args.lora_alpha or args.lora_rank, args.lora_feed_forward,
+                 adapter.lora_targets)
+    reference = None
+    if full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
+        import copy
+
+        reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    model = transformer
+    if distributed and not full:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
+    elif distributed:
+        for module in [transformer] + ([reference] if reference is not None else []):
+            _shard(module, dtype, device, mesh)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
+                                  foreach=foreach)
+    ema = None
+    if args.ema_decay > 0:
+        trained = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
+        ema = EMA(trained, args.ema_decay, args.ema_every)
+    return Policy(adapter, transformer, model, params, optimizer, {}, reward_weights, reference, ema)
+
+
+def _shard(module, dtype, device, mesh=None):
+    """FSDP2: shard every transformer block (the classes diffusers lists as `_no_split_modules`), then the rest; the
+    shards alone move to the device. `mesh`: the ranks' device mesh (default: all ranks of the process group)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    block_classes = set(getattr(module, "_no_split_modules", None) or [])
+    for block in [m for m in module.modules() if type(m).__name__ in block_classes]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    module.to(device)
+
+
+def make_velocity_fn(args, policy, module, cond):
+    """v(x, sigma | prompt) of `module` (the transformer, or its DDP wrapper in the update)."""
+    return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.resolution)
+
+
+def reference_velocity_fn(args, policy, cond):
+    """The base model's velocity for the KL term: LoRA with its adapter off, or the frozen copy; None without KL."""
+    if args.kl_beta == 0:
+        return None
+    if policy.reference is not None:
+        return make_velocity_fn(args, policy, policy.reference, cond)
+
+    def base_velocity(x, sigma, idx):
+        policy.transformer.disable_adapters()
+        try:
+            return policy.adapter.velocity(policy.transformer, cond, x, sigma, idx, args.resolution)
+        finally:
+            policy.transformer.enable_adapters()
+
+    return base_velocity
 
 
 def main(args):

@@ -1,4 +1,4 @@
-"""evaluate.py and prompts/hpdv2.py: the base-vs-checkpoint table on a random tiny FLUX pipeline, with LoRA and
+"""evaluate.py and tools/hpdv2.py: the base-vs-checkpoint table on a random tiny FLUX pipeline, with LoRA and
 full checkpoints saved in train.py's layout; a run folder resolving to its newest checkpoint; settings read from
 the run's config.json; 1 process = 2 torchrun ranks; the UnifiedReward metric against a local server; the HPDv2
 prompt script on annotation files in the real format; the training-curve plot; one `error:` line per bad input.
@@ -222,11 +222,11 @@ def test_bad_inputs_give_one_error_line(runs, extra, message, tmp_path):
     (["--metrics", "shapes"], "no model: pass --model"),
     (["--checkpoint", "/nonexistent/run"], "neither a checkpoint"),
     (["--model", "flux", "--no-base"], "--no-base needs at least one --checkpoint"),
-    (["--model", "flux"], "write it with: python prompts/hpdv2.py"),
+    (["--model", "flux"], "write it with: python -m tools.hpdv2"),
     (["--plot", "/nonexistent/run"], "metrics.jsonl' not found"),
 ])
 def test_bad_runs_give_one_error_line(argv, message, tmp_path):
-    if "prompts/hpdv2.py" in message and os.path.exists(os.path.join(ROOT, "prompts", "hpdv2_test.txt")):
+    if "tools.hpdv2" in message and os.path.exists(os.path.join(ROOT, "prompts", "hpdv2_test.txt")):
         pytest.skip("the HPDv2 test prompts are written in this checkout")
     code, _, stderr = run_main(argv + ["--output-dir", str(tmp_path / "out")])
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -235,7 +235,8 @@ def test_bad_runs_give_one_error_line(argv, message, tmp_path):
 
 def test_hpdv2_prompt_files_from_annotations(tmp_path):
     """train.json and test.json in HPDv2's layout -> one prompt a line, each once, in order, newlines collapsed."""
-    from prompts import hpdv2
+    import flags
+    from tools import hpdv2
 
     annotations = tmp_path / "HPDv2"
     annotations.mkdir()
@@ -257,8 +258,8 @@ def test_hpdv2_prompt_files_from_annotations(tmp_path):
     assert train_lines == ["a cat on a mat", "a dog in the snow", "東京の夜景, 🌃"]
     assert open(written["test"], encoding="utf-8").read() == "a red bicycle\n"
     assert os.path.basename(written["test"]) == "hpdv2_test.txt"
-    assert hpdv2.how_to_write("prompts/hpdv2_train.txt") == "write it with: python prompts/hpdv2.py"
-    assert hpdv2.how_to_write("prompts/mine.txt") == ""
+    assert flags.how_to_write("prompts/hpdv2_train.txt") == "write it with: python -m tools.hpdv2"
+    assert flags.how_to_write("prompts/mine.txt") == ""
     # an empty test split: neither file changes (the train file is not replaced beside an old test file)
     before = {split: open(path, encoding="utf-8").read() for split, path in written.items()}
     (annotations / "train.json").write_text(json.dumps(train + [{"prompt": "a new prompt"}]), encoding="utf-8")
@@ -267,8 +268,8 @@ def test_hpdv2_prompt_files_from_annotations(tmp_path):
         hpdv2.main(hpdv2.Args(annotations_dir=str(annotations), out_dir=str(tmp_path / "prompts")))
     assert {split: open(path, encoding="utf-8").read() for split, path in written.items()} == before
     (annotations / "test.json").write_text(json.dumps({"prompt": "not a list"}))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "prompts", "hpdv2.py"), "--annotations-dir",
-                           str(annotations), "--out-dir", str(tmp_path / "x")], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tools.hpdv2", "--annotations-dir", str(annotations), "--out-dir",
+                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 

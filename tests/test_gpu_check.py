@@ -207,9 +207,9 @@ def test_add_lora_keeps_the_frozen_base_and_trains_fp32_lora():
 
 
 def test_gpu_check_small_config_end_to_end(tmp_path):
-    """gpu_check.py --config small on the CPU: every part runs through the trainer's code and is recorded."""
+    """tools/gpu_check.py --config small on the CPU: every part runs through the trainer's code and is recorded."""
     out = str(tmp_path / "check")
-    command = [sys.executable, os.path.join(ROOT, "gpu_check.py"), "--config", "small", "--output-dir", out]
+    command = [sys.executable, "-m", "tools.gpu_check", "--config", "small", "--output-dir", out]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -231,7 +231,7 @@ def test_gpu_check_small_config_end_to_end(tmp_path):
 
 def test_gpu_check_runs_a_case_in_a_subprocess():
     """On CUDA every case runs this way: the subprocess's last line carries its result."""
-    import gpu_check
+    from tools import gpu_check
 
     args = gpu_check.Args(config="small")
     result = gpu_check.run_case(args, dict(kind="gradient", resolution=32), time.time() + 300, isolate=True)
@@ -239,7 +239,7 @@ def test_gpu_check_runs_a_case_in_a_subprocess():
 
 
 def test_gpu_check_skips_cases_past_its_budget(tmp_path, capsys):
-    import gpu_check
+    from tools import gpu_check
 
     gpu_check.main(gpu_check.Args(config="small", parts=("gradient", "iteration"), output_dir=str(tmp_path),
                                   budget_s=5.0))

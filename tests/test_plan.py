@@ -1,4 +1,4 @@
-"""plan.py: the plan's accounting against a real CPU run of the same phases, and its table and closing line.
+"""tools/plan.py: the plan's accounting against a real CPU run of the same phases, and its table and closing line.
 
 The check: `plan.plan(args, fake=True)` builds the models on fake tensors and routes attention to the kernel CUDA
 would take; `plan.plan(args, fake=False)` runs the same phases on real tensors on this CPU (torch's own kernels).
@@ -9,7 +9,7 @@ Run: python -m pytest -q tests/test_plan.py     (about 30 s on 2 cores)
 """
 import pytest
 
-import plan
+from tools import plan
 import flags
 
 TOLERANCE = 0.02

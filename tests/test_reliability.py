@@ -388,7 +388,7 @@ def test_resume_into_a_missing_folder_writes_nothing(base, capsys, tmp_path):
 
 
 def test_prompt_files_a_bom_a_control_character_and_a_fifo(base, capsys, tmp_path):
-    from run import read_prompts
+    from flags import read_prompts
 
     bom = tmp_path / "bom.txt"
     bom.write_bytes("\ufeffa red circle on the left\nа blue square\n".encode("utf-8"))

@@ -14,10 +14,10 @@
      bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0) and G2RPO with its step
      credit destroyed (every step the mean advantage of its member). Runs go side by side, one torch thread each;
      a killed bench resumes, keeping its finished runs. A table and a PNG plot.
-The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from gpu_check.py.
+The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from tools/gpu_check.py.
 
-Run:  python bench.py --parts 3               (CPU: every core; on a CUDA machine the runs share the GPU)
-      python bench.py --quick                 (every part, shortened, under 2 minutes)
+Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machine the runs share the GPU)
+      python -m tools.bench --quick            (every part, shortened, under 2 minutes)
 """
 import json
 import os
@@ -344,9 +344,9 @@ def _run_all(todo, jobs):
             import subprocess
 
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-            proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                "train.py"), *argv], capture_output=True, text=True,
-                                  env=env)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+            proc = subprocess.run([sys.executable, os.path.join(root, "train.py"), *argv], capture_output=True,
+                                  text=True, env=env)
             if proc.returncode:
                 raise SystemExit(f"error: {name} seed {seed} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
         else:

@@ -7,8 +7,8 @@ test.json: `prompt`, `image_path`, `rank`, `raw_annotations`). Training uses the
 (newlines included) collapsed to one space, so one line is always one prompt.
 
 Run:
-    python prompts/hpdv2.py                              # download train.json and test.json from the hub
-    python prompts/hpdv2.py --annotations-dir HPDv2/     # or read local copies of them
+    python -m tools.hpdv2                                # download train.json and test.json from the hub
+    python -m tools.hpdv2 --annotations-dir HPDv2/       # or read local copies of them
 """
 import json
 import os
@@ -17,20 +17,12 @@ from dataclasses import dataclass
 
 HUB_REPO = "ymhao/HPDv2"
 SPLITS = {"train": "train.json", "test": "test.json"}  # split -> annotation file name in the dataset
-MISSING_HINT = "write it with: python prompts/hpdv2.py"
-
-
-def how_to_write(path: str) -> str:
-    """The command that writes a missing prompt file, or '' when this script does not write that file."""
-    return MISSING_HINT if os.path.basename(path) in {f"hpdv2_{split}.txt" for split in SPLITS} else ""
-
-
 @dataclass
 class Args:
     annotations_dir: str = ""
     """A folder holding train.json and test.json; empty: download them from the hub dataset ymhao/HPDv2."""
-    out_dir: str = os.path.dirname(os.path.abspath(__file__))
-    """Where hpdv2_train.txt and hpdv2_test.txt are written (default: this folder, prompts/)."""
+    out_dir: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prompts")
+    """Where hpdv2_train.txt and hpdv2_test.txt are written (default: the repository's prompts/)."""
 
 
 class PromptFileError(Exception):

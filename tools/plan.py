@@ -2,7 +2,7 @@
 train.py, per GPU, from the project's own code run on fake tensors.
 
 Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no data, so a 12 B-parameter FLUX.1-dev
-runs on a laptop: every model is built from its published configuration (configs/, no weights) and driven through
+runs on a laptop: every model is built from its published configuration (tools/configs/, no weights) and driven through
 the same functions train.py calls, phase by phase, for one rank:
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
@@ -36,11 +36,11 @@ to ~10 % of the peak), NCCL and cuBLAS workspaces, torch.compile, rewards that l
 inside its own package, unifiedreward on a server), and how far below the FLOP floor real kernels run.
 
 Run:
-    python plan.py --model flux --lora-rank 64 --lr 1e-4                   # one GPU, LoRA (the README's command)
-    python plan.py --model flux --lora-rank 64 --offload-text-encoders
-    python plan.py --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
-    python plan.py --model sd3                                             # SD3.5 Medium, LoRA
-    python plan.py --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
+    python -m tools.plan --model flux --lora-rank 64 --lr 1e-4                   # one GPU, LoRA (the README's command)
+    python -m tools.plan --model flux --lora-rank 64 --offload-text-encoders
+    python -m tools.plan --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
+    python -m tools.plan --model sd3                                             # SD3.5 Medium, LoRA
+    python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
 """
 import contextlib
 import json
@@ -65,7 +65,7 @@ from g2rpo import optimizer_step, step_loss_backward
 from kernels import sdpa_backends
 from models import ADAPTERS
 from checkpoint import EXPORT_SHARD_BYTES
-from run import fail
+from flags import fail
 from sampler import sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

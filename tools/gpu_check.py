@@ -2,7 +2,7 @@
 
 Every part goes through the trainer's own code: `models.FluxAdapter.velocity` (the one place a transformer is
 called, with its attention kernels and compilation), `models.add_lora` (the trainer's LoRA targets),
-`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `kernels.check_gradient` with `kernels.update_loss`.
+`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `kernels.check_gradient` with `g2rpo.update_loss`.
   1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator: no skipped optimizer step, and the
                 train and held-out rewards rise.
   2. gradient:  a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA r64, gradient
@@ -25,8 +25,8 @@ a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel ru
 forward is not timed).
 
 Run:
-    python gpu_check.py                  # one GPU, FLUX-sized: 463 s on an H200 (all parts; --budget-s 520)
-    python gpu_check.py --config small   # CPU, about a minute: the same code on a tiny transformer
+    python -m tools.gpu_check                  # one GPU, FLUX-sized: 463 s on an H200 (all parts; --budget-s 520)
+    python -m tools.gpu_check --config small   # CPU, about a minute: the same code on a tiny transformer
 """
 import contextlib
 import json
@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 import tyro
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -235,7 +235,7 @@ def iteration_nfe(scale: Scale) -> int:
 def case_gradient(scale: Scale, case: dict) -> dict:
     """Part 2: the update's gradient under the run's kernels against the math kernel's; then one real update step."""
     from g2rpo import g2rpo_update
-    from kernels import update_loss
+    from g2rpo import update_loss
     from sampler import sigma_schedule
 
     adapter, cond, params = build(scale, {})
@@ -259,7 +259,7 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
     """Timed rollout forwards at each max batch and timed update steps (after one untimed call each, which compiles
     when compiling), their TFLOP/s and share of peak, and the seconds per phase of one iteration projected from them."""
     from g2rpo import g2rpo_update
-    from kernels import update_loss
+    from g2rpo import update_loss
     from sampler import sigma_schedule
 
     sigmas, device = sigma_schedule(scale.num_steps, SHIFT), adapter.device
@@ -367,10 +367,10 @@ def run_case(args: Args, case: dict, deadline: float, isolate: bool) -> dict:
     if not isolate:
         start = time.time()
         return {**case, "status": "ok", **CASES[case["kind"]](SCALES[args.config], case), "wall_s": time.time() - start}
-    command = [sys.executable, os.path.join(HERE, "gpu_check.py"), "--config", args.config, "--case", json.dumps(case)]
+    command = [sys.executable, "-m", "tools.gpu_check", "--config", args.config, "--case", json.dumps(case)]
     start = time.time()
     try:
-        proc = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**case, "status": f"stopped after {timeout:.0f} s (its time limit or the budget)"}
     lines = proc.stdout.splitlines()
@@ -395,7 +395,7 @@ def start_tiny(args: Args, scale: Scale):
         tiny.build_pipeline(seed=0).save_pretrained(path)
         argv += ["--model-path", path]
     log = open(os.path.join(args.output_dir, "tiny.log"), "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv], cwd=HERE, stdout=log,
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     return proc, out, log, time.time() + scale.timeouts["tiny"], time.time()
 
