@@ -66,7 +66,7 @@ RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forw
                "eta", "resolution", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
                "window_every", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames",
-               # the baselines' axes (README "Baselines"); a configuration written before them ran their defaults
+               # the baselines' axes (docs/baselines.md); a configuration written before them ran their defaults
                "window_schedule", "window_end", "method", "sde_type", "decode", "timestep_fraction", "adv_std",
                "same_noise", "kl_form", "reward_fusion"]
 MANIFEST = "manifest.json"

@@ -94,7 +94,7 @@ class TrainArgs:
     """Recompute activations in the backward pass (needed for FLUX at 720^2)."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Attention kernel of the update's forward and backward. auto: flash, memory-efficient or math on CUDA, never
-    cuDNN attention, whose backward gave wrong gradients on an H200 (README, GPU); math is the slow, exact one."""
+    cuDNN attention, whose backward gave wrong gradients on an H200 (docs/performance.md, "GPU"); math is the slow, exact one."""
     rollout_attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Attention kernel of the no-grad rollout and evaluation (forward only)."""
     compile: bool = False
@@ -150,7 +150,7 @@ class TrainArgs:
     drawn afresh every iteration within steps 0..--window-end - 1 (Flow-GRPO-Fast)."""
     window_end: int = 0
     """mixed, random window: it lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2); 0 = N."""
-    # --- the peers' algorithm axes (--method sets all of them; README "Baselines") ---
+    # --- the peers' algorithm axes (--method sets all of them; docs/baselines.md) ---
     method: Literal["g2rpo", "dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"] = "g2rpo"
     """A named recipe: G2RPO or a peer as its authors run it (METHODS below). It sets every axis of this block and
     --sampling, --eta, the trained steps and the window; with --model flux also the peer's published sizes (G, N,
@@ -284,7 +284,7 @@ PRESETS = {
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --method: G2RPO and its peers as their authors run them (README "Baselines" gives each value's source file)
+# --method: G2RPO and its peers as their authors run them (docs/baselines.md gives each value's source file)
 # ---------------------------------------------------------------------------------------------------------------
 # The algorithm: what every recipe sets, on every --model (G2RPO's values are the defaults above)
 G2RPO_ALGORITHM = dict(sampling="g2rpo", sde_type="flow", eta=0.7, decode="sample", timestep_fraction=1.0,

@@ -11,7 +11,7 @@ not B*G) scores all G members; the full-SDE baseline has one start latent per me
 
 Shapes: B prompts, G group size, K SDE steps, S start latents per prompt (1 for G2RPO, G for full SDE).
 
-The baselines' updates (README "Baselines") reuse this loop: a member may train only some of the steps
+The baselines' updates (docs/baselines.md) reuse this loop: a member may train only some of the steps
 (`random_step_mask`, DanceGRPO), and the gradients may accumulate over chunks of members before an optimizer step.
 
 Deviations from the reference code (numbers of the README's list): 14 (the baselines), 5 (one optimizer step per
@@ -126,7 +126,7 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
     grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps.
 
-    When the optimizer steps (the peers differ, README "Baselines"):
+    When the optimizer steps (the peers differ, docs/baselines.md):
       step_per_sde_step:        one step per trained step k, on the mean over its members (the G2RPO reference);
       otherwise:                the gradients of every trained step accumulate; the G members of each group
                                 split into `member_chunks` chunks, one step each (1: one step an iteration), on

@@ -52,7 +52,7 @@ def prompt_split():
     """(train, held-out): 36 and 12 of the 48 attribute combinations; RL never sees the held-out ones. Combination
     (colour c, shape s, half h) is held out when c + s + h is a multiple of 4: a Latin square on colour x half whose
     symbols are the shapes (the fourth symbol holds nothing out). Every pair of a held-out prompt's attributes is
-    trained, only the triple is new (README, "Performance", on why a split that holds out one half per colour fails)."""
+    trained, only the triple is new (docs/tiny_world.md, on why a split that holds out one half per colour fails)."""
     held = [f"a {colour} {shape} on the {half}" for (c, colour), (s, shape), (h, half)
             in itertools.product(enumerate(COLOURS), enumerate(SHAPES), enumerate(POSITIONS)) if (c + s + h) % 4 == 0]
     return [p for p in all_prompts() if p not in held], held

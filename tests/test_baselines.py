@@ -182,7 +182,7 @@ def test_dancegrpo_trained_steps_and_its_accumulated_update():
     assert abs(ours - float(weight)) < 1e-6 and abs(ours - 0.3) > 1e-4
 
 
-# the recipes' values at --model flux: the peers' published runs (README "Baselines" names each file)
+# the recipes' values at --model flux: the peers' published runs (docs/baselines.md names each file)
 TABLE = {
     "g2rpo": dict(sampling="g2rpo", group_size=12, num_steps=16, eta=0.7, lr=2e-6, clip_range=1e-4, kl_beta=0.0,
                   sde_steps=list(range(8)), sde_type="flow", adv_std="group", same_noise=True, lora_rank=0,
