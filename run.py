@@ -18,6 +18,8 @@ import torch.distributed as dist
 import checkpoint
 from flags import fail
 
+GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps as many of its first evaluation batch (on the CPU)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -317,7 +319,7 @@ class Run:
 
         os.makedirs(os.path.join(self.out, "samples"), exist_ok=True)
         images = images.float() / 255 if images.dtype == torch.uint8 else images
-        n = min(len(images), 2 * eval_prompts, 24)
+        n = min(len(images), 2 * eval_prompts, GRID_IMAGES)
         name = os.path.join(self.out, "samples", f"eval_iter_{iteration:06d}")
         shown, nrow = frame_strips(images[:n]), min(n, 12 if images.ndim == 4 else 3)  # videos: a strip of frames
         save_image(shown, name + ".png", nrow=nrow, padding=1)

@@ -40,7 +40,7 @@ from advantage import granular_advantages, step_credit
 from flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask, update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import EMA, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator
+from run import EMA, GRID_IMAGES, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
 
@@ -184,9 +184,6 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
     n = min(eval_prompts or num_prompts, num_prompts)
     chosen = sorted({i * num_prompts // n for i in range(n)})
     return [(p, s) for s in range(eval_seeds) for p in chosen]
-
-
-GRID_IMAGES = 24  # images of the first evaluation batch kept (on the CPU) for the sample grid
 
 
 @torch.no_grad()
