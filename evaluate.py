@@ -83,11 +83,13 @@ class BaseArgs:
     base: bool = True
     """Include the base model as the first row (--no-base leaves it out)."""
     prompt_file: str = ""
-    """Prompts, one a line (default: prompts/hpdv2_test.txt for flux and sd3, prompts/tiny_eval.txt for tiny)."""
+    """Prompts, one a line (default: the family's held-out file, its preset's --eval-prompt-file: prompts/hpdv2_test.txt,
+    prompts/tiny_eval.txt for tiny)."""
     num_prompts: int = 0
     """Evaluate only the first this many prompts; 0 = all."""
     seeds: Optional[int] = None
-    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 96, as its training run's last evaluation)."""
+    """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 96, as its training run's last
+    evaluation)."""
     metrics: list[str] = field(default_factory=list)
     """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
     hps clip pickscore imagereward; shapes for tiny)."""
@@ -96,7 +98,7 @@ class BaseArgs:
     shift: Optional[float] = None
     """Time shift of the sigma schedule (default: the checkpoint run's)."""
     guidance: Optional[float] = None
-    """FLUX guidance embedding / SD3 CFG scale (default: the checkpoint run's)."""
+    """FLUX: the guidance embedding; SD3, Z-Image, FLUX.2, Wan: the CFG scale (default: the checkpoint run's)."""
     resolution: Optional[int] = None
     """Image side in pixels (default: the checkpoint run's)."""
     num_frames: Optional[int] = None
@@ -104,7 +106,7 @@ class BaseArgs:
     reward_frames: Optional[int] = None
     """Video models: the metrics score every this-many-th frame (default: the checkpoint run's, as in training)."""
     max_sequence_length: Optional[int] = None
-    """T5 tokens per prompt (default: the checkpoint run's)."""
+    """Text tokens per prompt (default: the checkpoint run's)."""
     batch_size: Optional[int] = None
     """Images generated per transformer call (default 8; tiny: 64)."""
     reward_batch_size: int = 16
