@@ -83,7 +83,7 @@ class BaseArgs:
     base: bool = True
     """Include the base model as the first row (--no-base leaves it out)."""
     prompt_file: str = ""
-    """Prompts, one a line (default: the family's held-out file, its preset's --eval-prompt-file: prompts/hpdv2_test.txt,
+    """Prompts, one a line (default: the family preset's --eval-prompt-file: prompts/hpdv2_test.txt, or
     prompts/tiny_eval.txt for tiny)."""
     num_prompts: int = 0
     """Evaluate only the first this many prompts; 0 = all."""
