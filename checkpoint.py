@@ -423,12 +423,33 @@ def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora
     torch.save({"iteration": iteration, "optimizer": optim_state, "config": config}, os.path.join(tmp, "trainer.pt"))
 
 
-def _rotate(output_dir, iteration, keep):
-    """Delete all but the newest `keep` checkpoints, counting the one just written at `iteration`. Only older ones
-    are candidates, so neither the one just written nor a newer one is ever removed."""
+def _foreign_files(path):
+    """The files of checkpoint `path` that its save did not write (its manifest's list), e.g. a transformer/ that
+    `checkpoint.py export` added later; None when it has no manifest (an older version's), which counts as its own."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            written = set(json.load(f)["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError):
+        return None
+    found = {os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path) for name in names}
+    return sorted(found - written)
+
+
+def _rotate(output_dir, iteration, keep, log=print):
+    """Delete all but the newest `keep` checkpoints (0: keep all), counting the one just written at `iteration`, and
+    say which. Only older ones are candidates, so neither the one just written nor a newer one is ever removed; one
+    holding files its save did not write (an export) is kept, with a line saying so."""
+    if keep == 0:
+        return
     older = [p for p in list_checkpoints(output_dir) if _iteration_of_folder(p) < iteration]
-    for old in older[:max(0, len(older) - (max(keep, 1) - 1))]:
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        foreign = _foreign_files(old)
+        if foreign:
+            log(f"note: kept {old} beyond --keep-checkpoints {keep}: it holds files this run did not write "
+                f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); remove it yourself when done")
+            continue
         shutil.rmtree(old, ignore_errors=True)
+        log(f"removed checkpoint {old} (--keep-checkpoints {keep} keeps the newest {keep}; 0 keeps all)")
 
 
 def uses_dcp(model, lora) -> bool:
@@ -483,7 +504,7 @@ def _publish(output_dir, tmp, folder, iteration, keep, log):
     os.replace(tmp, folder)  # atomic: the checkpoint appears whole or not at all
     _fsync_dir(os.path.dirname(folder))
     _fsync_dir(output_dir)  # holds the entry of checkpoints/ itself, new at the first save
-    _rotate(output_dir, iteration, keep)
+    _rotate(output_dir, iteration, keep, log)
 
 
 def _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, config, keep, extra, log, export_):

@@ -231,6 +231,9 @@ class TrainArgs:
     eval_prompts: int = 48
     """Held-out prompts in the in-training evaluation, spread evenly over --eval-prompt-file (0 = all). At the flux
     preset, 48 prompts x 2 seeds cost about 4 % of the run's rollout forwards; the full table is evaluate.py's job."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in checkpoints/: the newest this many (0 = all); each removal is printed, and one holding
+    files the run did not write (an export) is kept."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many iterations (and at the end)."""
     log_with: Literal["none", "wandb", "tensorboard"] = "none"
@@ -429,6 +432,7 @@ RULES = {
     "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
     "final_eval_seeds": at_least(0, " (0 = --eval-seeds)"),
     "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
+    "keep_checkpoints": at_least(0, " (0 = keep all)"),
     "seed": at_least(0), "dist_timeout_minutes": above(0),
 }
 

@@ -137,6 +137,10 @@ class EMA:
             e.copy_(saved)
 
 
+# what a fresh run writes into its folder besides config.json and checkpoints/ (replaced only with --overwrite)
+RUN_FILES = ("metrics.jsonl", "samples", "tensorboard", "wandb", "wandb_run_id.txt")
+
+
 class Run:
     """The output folder and the bookkeeping of one training run, on every rank (rank 0 alone writes files)."""
 
@@ -176,7 +180,14 @@ class Run:
         elif self.holds_a_run() and not (args.overwrite or args.resume):
             fail(f"--output-dir '{self.out}' already holds a run; pass --resume to continue it, "
                  f"--overwrite to replace it, or choose another folder")
+        elif not args.overwrite and not (args.resume and self.holds_a_run()) and self.foreign_files():
+            fail(f"--output-dir '{self.out}' holds {', '.join(self.foreign_files())}, which a new run would replace; "
+                 f"pass --overwrite to replace them, or choose another folder")
         return resume_from
+
+    def foreign_files(self) -> list:
+        """The names a fresh run writes (its samples, tracker files) that the folder already holds."""
+        return [name for name in RUN_FILES if os.path.lexists(os.path.join(self.out, name))]
 
     def holds_a_run(self) -> bool:
         """Whether the folder holds a run's files: its config, metrics, or any checkpoint (even without a config)."""
@@ -197,9 +208,12 @@ class Run:
             self.log(f"note: resuming with flags changed since the checkpoint, applied from now on: {'; '.join(changed)}")
 
     def begin(self, config: dict, fresh: bool):
-        """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration."""
-        if fresh:  # a --resume that found no checkpoint keeps checkpoints/ (set-aside damaged ones are never deleted)
-            replaced = ("metrics.jsonl", "samples", "tensorboard", "wandb", Tracker.WANDB_ID)
+        """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration. Only a
+        run's own files are cleared: with --overwrite, or after a --resume that found no checkpoint (whose folder held
+        this run); `open` refused a folder holding files of that name otherwise."""
+        if fresh and (self.args.overwrite or self.args.resume):  # (`open` refused other files of these names)
+            # a --resume that found no checkpoint keeps checkpoints/ (set-aside damaged ones are never deleted)
+            replaced = RUN_FILES
             for stale in replaced + (() if self.args.resume else ("checkpoints",)):
                 path = os.path.join(self.out, stale)
                 if os.path.isdir(path):
@@ -296,7 +310,7 @@ class Run:
         extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else None
         try:
             checkpoint.save(self.out, iteration, model, transformer, optimizer, config, lora, pipeline_class,
-                            extra=extra, log=self.log, export_weights=final)
+                            keep=self.args.keep_checkpoints, extra=extra, log=self.log, export_weights=final)
         except checkpoint.NoSpaceError as err:
             fail(str(err))
 

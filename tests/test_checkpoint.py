@@ -236,6 +236,27 @@ def test_rotation_keeps_the_newest_and_never_a_newer_one(tmp_path, trained):
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["iter_000005"]
 
 
+def test_rotation_says_what_it_removes_keeps_exports_and_keep_0_keeps_all(tmp_path, trained):
+    logs = []
+    for it in (1, 2):
+        save(tmp_path, it, trained, log=logs.append)
+    # a file the run did not write (an export into an older checkpoint) keeps that checkpoint, and says so
+    extra_file = tmp_path / "checkpoints" / "iter_000001" / "exported" / "config.json"
+    extra_file.parent.mkdir()
+    extra_file.write_text("{}")
+    save(tmp_path, 3, trained, log=logs.append)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "iter_000001", "iter_000002", "iter_000003"]
+    assert any("kept" in line and "iter_000001" in line and "exported/config.json" in line for line in logs)
+    shutil.rmtree(extra_file.parent)
+    save(tmp_path, 4, trained, log=logs.append)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["iter_000003", "iter_000004"]
+    assert sum("removed checkpoint" in line for line in logs) == 2
+    for it in (5, 6, 7):
+        save(tmp_path, it, trained, keep=0, log=logs.append)
+    assert len(checkpoint.list_checkpoints(str(tmp_path))) == 5
+
+
 def test_list_checkpoints_ignores_partial_and_damaged_folders(tmp_path):
     for name in ("iter_000002", "iter_1000000", "iter_000003.tmp", "iter_000004.damaged", "iter_000004.damaged-2",
                  "notes"):

@@ -282,6 +282,21 @@ def test_second_run_into_a_held_folder_is_refused(flux_path, tmp_path, capsys):
     expect_error(capsys, args, "already holds a run")
 
 
+def test_a_folder_of_other_files_is_never_emptied(flux_path, tmp_path, capsys):
+    """A fresh run into a folder that holds samples/ or a tracker's files it did not write stops before writing;
+    --overwrite names them, and only then are they replaced."""
+    out = tmp_path / "d"
+    (out / "wandb" / "offline-run-x").mkdir(parents=True)
+    (out / "samples").mkdir()
+    (out / "samples" / "mine.png").write_bytes(b"x")
+    args = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "1", "--eval-every", "1000",
+            "--output-dir", str(out), *QUICK]
+    expect_error(capsys, args, "holds samples, wandb, which a new run would replace; pass --overwrite")
+    assert (out / "samples" / "mine.png").exists() and (out / "wandb" / "offline-run-x").is_dir()
+    run_train([*args, "--overwrite"])
+    assert not (out / "samples" / "mine.png").exists() and not (out / "wandb").exists()
+
+
 def test_second_signal_aborts_at_once_keeping_the_last_checkpoint(flux_path, tmp_path):
     out = str(tmp_path / "run")
     slow = ["--group-size", "8", "--num-steps", "8", "--sde-steps", "0", "1", "2", "3"]  # iterations of ~1 s
