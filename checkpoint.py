@@ -347,6 +347,9 @@ def incompatible(saved: dict, current: dict, defaults: dict):
     defaults, for the keys a configuration written before them lacks (it ran with those)."""
     if saved.get("window_random"):  # the flag --window-schedule random replaced
         saved = {**saved, "window_schedule": "random"}
+    if saved.get("model_path") and os.path.isdir(saved["model_path"]) and os.path.isdir(current.get("model_path", "")) \
+            and os.path.samefile(saved["model_path"], current["model_path"]):  # the same folder, spelled otherwise
+        saved = {**saved, "model_path": current["model_path"]}
     for key in RESUME_KEYS:
         before = saved.get(key, defaults.get(key))
         if json.dumps(before) != json.dumps(current.get(key)):

@@ -448,6 +448,24 @@ def validate(args, world: int, log=print):
             read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
 
 
+# the pipeline class each family's model_index.json names (what `folder_family` reads)
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "zimage": "ZImagePipeline",
+             "flux2": "Flux2KleinPipeline", "wan": "WanPipeline"}
+
+
+def folder_family(path: str) -> str | None:
+    """The family of a local pipeline folder by its model_index.json's `_class_name`, or None (a hub id, no such
+    file, or a pipeline class of no family here)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "model_index.json")) as f:
+            name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((family for family, pipeline in PIPELINES.items() if pipeline == name), None)
+
+
 def frames_problem(model: str, num_frames: int, name: str) -> str | None:
     """Why `num_frames` (the setting `name`) does not suit `model`, in one line, or None: Wan takes 4k + 1 frames,
     image models 1."""
@@ -481,6 +499,16 @@ def check_flags(args, world: int, log=print):
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
         fail(problem)
+    if args.model != "wan" and args.reward_frames != 1:
+        fail(f"--reward-frames {args.reward_frames} is for video models (--model wan); --model {args.model} makes "
+             f"images, so drop it")
+    if args.reward_frames > args.num_frames:
+        fail(f"--reward-frames {args.reward_frames} is more than the --num-frames {args.num_frames}: only frame 0 "
+             f"would be scored; use at most {args.num_frames} (1 = every frame)")
+    family = folder_family(args.model_path) if args.model != "tiny" else None
+    if family and family != args.model:
+        fail(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "
+             f"{PIPELINES[family]}); use --model {family}, or a {args.model} folder")
     multiple = RESOLUTION_MULTIPLE[args.model]
     if args.resolution % multiple:
         fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "

@@ -275,6 +275,14 @@ def test_resume_config_checks_still_work(tmp_path, trained):
     assert checkpoint.incompatible({}, {"sde_type": "flow"}, {"sde_type": "flow"}) is None
     assert checkpoint.incompatible({}, {"sde_type": "cps"}, {"sde_type": "flow"}) == ("sde_type", "flow", "cps")
     assert checkpoint.incompatible({"window_random": True}, {"window_schedule": "random"}, {}) is None
+    # the same model folder spelled with a trailing slash or relative to here is the same folder
+    folder = tmp_path / "model"
+    folder.mkdir()
+    relative = os.path.relpath(folder)
+    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": relative + "/"}, {}) is None
+    other = tmp_path / "other"
+    other.mkdir()
+    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": str(other)}, {})[0] == "model_path"
 
 
 # ---------------------------------------------------------------- metrics.jsonl

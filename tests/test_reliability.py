@@ -59,7 +59,15 @@ BAD_INPUTS = [
     (["--rewards", "shapes=nan"], "finite"),
     (["--rewards", "shapes=0"], "0"),
     (["--window-size", "9", "--num-steps", "8"], "longer than the schedule"),
+    (["--reward-frames", "4"], "is for video models (--model wan)"),
 ]
+
+
+def test_a_folder_of_another_family_is_named(flux_path, sd3_path, capsys, tmp_path):
+    out = ["--output-dir", str(tmp_path / "run"), *QUICK]
+    expect_error(capsys, ["--model", "sd3", "--model-path", flux_path, *out], "is a flux folder")
+    expect_error(capsys, ["--model", "flux", "--model-path", sd3_path, *out], "use --model sd3")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("extra,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
