@@ -453,16 +453,22 @@ PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "zimage"
              "flux2": "Flux2KleinPipeline", "wan": "WanPipeline"}
 
 
-def folder_family(path: str) -> str | None:
-    """The family of a local pipeline folder by its model_index.json's `_class_name`, or None (a hub id, no such
-    file, or a pipeline class of no family here)."""
+def _model_index(path: str) -> dict:
+    """A local pipeline folder's model_index.json, or {} (a hub id, no such file, not JSON)."""
     import json
 
     try:
         with open(os.path.join(path, "model_index.json")) as f:
-            name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return None
+            index = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def folder_family(path: str) -> str | None:
+    """The family of a local pipeline folder by its model_index.json's `_class_name`, or None (a hub id, no such
+    file, or a pipeline class of no family here)."""
+    name = _model_index(path).get("_class_name")
     return next((family for family, pipeline in PIPELINES.items() if pipeline == name), None)
 
 
@@ -505,6 +511,9 @@ def check_flags(args, world: int, log=print):
     if args.reward_frames > args.num_frames:
         fail(f"--reward-frames {args.reward_frames} is more than the --num-frames {args.num_frames}: only frame 0 "
              f"would be scored; use at most {args.num_frames} (1 = every frame)")
+    if args.model == "flux2" and args.guidance > 1 and _model_index(args.model_path).get("is_distilled"):
+        fail(f"--guidance {args.guidance}: '{args.model_path}' is a distilled FLUX.2 klein, which samples without "
+             f"guidance (its pipeline ignores the value); use --guidance 0, or a base (non-distilled) model")
     family = folder_family(args.model_path) if args.model != "tiny" else None
     if family and family != args.model:
         fail(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "

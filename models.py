@@ -198,7 +198,6 @@ class FluxAdapter(Adapter):
 
 class SD3Adapter(Adapter):
     from diffusers import StableDiffusion3Pipeline as pipeline_class
-    cfg = True
 
     def __init__(self, pipe, device, dtype, guidance: float = 4.5, max_sequence_length: int = 256,
                  offload_text_encoders: bool = False, place_transformer: bool = True, **options):
@@ -207,9 +206,13 @@ class SD3Adapter(Adapter):
         tok3 = getattr(pipe, "tokenizer_3", None)
         self.max_sequence_length = min(max_sequence_length, tok3.model_max_length) if tok3 else max_sequence_length
 
+    @property
+    def cfg(self):  # as the pipeline runs it: above 1 (at 0 or 1 the conditional velocity alone)
+        return self.guidance > 1
+
     def encode_prompts(self, prompts):
         embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
-            prompts, None, None, device=self.device, do_classifier_free_guidance=True,
+            prompts, None, None, device=self.device, do_classifier_free_guidance=self.cfg,
             max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "negative_embeds": negative, "pooled": pooled,
                 "negative_pooled": negative_pooled}
@@ -219,15 +222,18 @@ class SD3Adapter(Adapter):
         return self.draw_noise(generators, (self.transformer.config.in_channels, h, w)).to(self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
-        """Guided velocity v_u + w (v_c - v_u): latents (M, C, h, w) -> (M, C, h, w) float32."""
-        embeds = torch.cat([cond["negative_embeds"][prompt_index], cond["prompt_embeds"][prompt_index]])
-        pooled = torch.cat([cond["negative_pooled"][prompt_index], cond["pooled"][prompt_index]])
+        """Guided velocity v_u + w (v_c - v_u), or v_c when guidance <= 1: latents (M, C, h, w) -> (M, C, h, w)
+        float32."""
+        embeds, pooled = cond["prompt_embeds"][prompt_index], cond["pooled"][prompt_index]
+        if self.cfg:
+            embeds = torch.cat([cond["negative_embeds"][prompt_index], embeds])
+            pooled = torch.cat([cond["negative_pooled"][prompt_index], pooled])
+            latents, sigma = torch.cat([latents, latents]), torch.cat([sigma, sigma])
         embeds, pooled = self.kernels.text_inputs(embeds, pooled)
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
-            out = transformer(hidden_states=torch.cat([latents, latents]),
-                              timestep=torch.cat([sigma, sigma]).to(self.device) * 1000,  # SD3 takes t = 1000 sigma
+            out = transformer(hidden_states=latents, timestep=sigma.to(self.device) * 1000,  # SD3 takes t = 1000 sigma
                               encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0]
-        return self.guided(out, self.guidance)
+        return self.guided(out, self.guidance) if self.cfg else out.float()
 
 
 class ZImageAdapter(Adapter):

@@ -22,8 +22,8 @@ FAMILIES = ["zimage", "flux2"]
 
 
 def stock_shift(family, steps):
-    """The time shift the stock pipeline applies at 32² (64 tokens): Z-Image's fixed 3, FLUX.2's exp(mu)."""
-    if family == "zimage":
+    """The time shift the stock pipeline applies at 32² (64 tokens): Z-Image's and SD3's fixed 3, FLUX.2's exp(mu)."""
+    if family in ("zimage", "sd3"):
         return 3.0
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
@@ -35,7 +35,7 @@ def load(family, path, guidance):
 
 
 @pytest.fixture
-def family_path(request, zimage_path, flux2_path, tmp_path):
+def family_path(request, zimage_path, flux2_path, sd3_path, tmp_path):
     family, guidance = request.param
     if family == "flux2" and guidance:  # CFG belongs to the klein base models (not distilled)
         from conftest import build_flux2_pipeline
@@ -43,7 +43,7 @@ def family_path(request, zimage_path, flux2_path, tmp_path):
         path = str(tmp_path / "flux2_base")
         build_flux2_pipeline(distilled=False).save_pretrained(path)
         return family, guidance, path
-    return family, guidance, {"zimage": zimage_path, "flux2": flux2_path}[family]
+    return family, guidance, {"zimage": zimage_path, "flux2": flux2_path, "sd3": sd3_path}[family]
 
 
 @pytest.mark.parametrize("family_path", [(f, g) for f in FAMILIES for g in (0.0, 2.0)], indirect=True,
@@ -64,6 +64,33 @@ def test_the_adapter_samples_as_the_stock_pipeline(family_path):
     stock = adapter.pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=3, guidance_scale=guidance,
                          latents=noise.clone(), max_sequence_length=32, output_type="pt", **options).images
     torch.testing.assert_close(adapter.decode(ours, 32), stock, atol=1e-4, rtol=1e-4)
+
+
+def test_sd3_guidance_up_to_1_is_the_conditional_velocity(sd3_path):
+    """As its pipeline: CFG only above 1. At 0 or 1 one forward of the conditional branch, which depends on the
+    prompt (an unconditional velocity would not)."""
+    adapters = {g: ADAPTERS["sd3"].load(sd3_path, "cpu", torch.float32, guidance=g) for g in (0.0, 1.0, 4.5)}
+    assert [a.forwards_per_velocity for a in adapters.values()] == [1, 1, 2]
+    x, sigma = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(0)), torch.full((2,), 0.7)
+    v = {}
+    for g, adapter in adapters.items():
+        cond = adapter.encode(PROMPTS)
+        v[g] = adapter.velocity(adapter.transformer, cond, x[:1].expand(2, -1, -1, -1), sigma, torch.arange(2), 32)
+    torch.testing.assert_close(v[0.0], v[1.0])
+    assert (v[0.0][0] - v[0.0][1]).abs().max() > 1e-4  # two prompts, two velocities
+    # above 1 the guided velocity v_u + w (v_c - v_u), another one
+    adapter = adapters[4.5]
+    cond = adapter.encode(PROMPTS)
+    guided = adapter.velocity(adapter.transformer, cond, x[:1].expand(2, -1, -1, -1), sigma, torch.arange(2), 32)
+    assert not torch.allclose(guided, v[0.0])
+
+
+def test_a_distilled_flux2_refuses_guidance(flux2_path, capsys):
+    import flags
+
+    with pytest.raises(SystemExit):
+        flags.check_flags(flags.parse_args(["--model", "flux2", "--model-path", flux2_path, "--guidance", "4"]), 1)
+    assert "distilled FLUX.2 klein" in capsys.readouterr().err
 
 
 def test_guidance_set_after_loading_switches_cfg(tmp_path):
