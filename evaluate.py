@@ -611,6 +611,8 @@ def plot_runs(runs: list[str], path: str):
         for key, (its, nfes, values) in sorted(reward_curves(read_metrics(run)).items()):
             split, _, name = key.split("/")
             style = dict(linestyle="-") if split == "train" else dict(linestyle="--", marker="o", markersize=3)
+            if len(values) == 1:  # a line of one point draws nothing: mark it
+                style = {**style, "marker": "o", "markersize": 4}
             label = f"{os.path.basename(os.path.normpath(run))}: {split} {name}"
             by_iteration.plot(its, values, label=label, **style)
             by_nfe.plot(nfes, values, label=label, **style)
