@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -585,11 +586,13 @@ def export(path, log=print):
     if len(files) > 1:
         with open(os.path.join(tmp, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    ema_tmp = os.path.join(path, "ema.safetensors.tmp")
+    if any(k.startswith("ema.") for k in stored):  # written beside, so that both files are replaced or neither
+        save_file({k: v.contiguous() for keys in groups("ema.") for k, v in read(keys, "ema.").items()}, ema_tmp)
     shutil.rmtree(os.path.join(path, "transformer"), ignore_errors=True)
     os.replace(tmp, os.path.join(path, "transformer"))
-    if any(k.startswith("ema.") for k in stored):
-        save_file({k: v.contiguous() for keys in groups("ema.") for k, v in read(keys, "ema.").items()},
-                  os.path.join(path, "ema.safetensors"))
+    if os.path.exists(ema_tmp):
+        os.replace(ema_tmp, os.path.join(path, "ema.safetensors"))
     log(f"exported transformer/ ({total / 2**30:.2f} GiB in {len(files)} file(s)) from {os.path.join(path, DCP)}")
 
 
@@ -702,12 +705,42 @@ def truncate_metrics(path, upto_iteration, log=print) -> list:
     return rows
 
 
+def export_command(path, log=print):
+    """`python checkpoint.py export PATH`: check the checkpoint, hold it, export; a problem is one `error:` line
+    (exit 2) with nothing left half-written."""
+    def stop(message):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if not os.path.isdir(path):
+        stop(f"{path} does not exist; pass a checkpoint folder (runs/<name>/checkpoints/iter_XXXXXX)")
+    if not is_sharded(path):
+        stop(f"{path} holds no {DCP}/ folder; pass a checkpoint of a sharded full fine-tune (its transformer/ or lora/ "
+             f"is already the diffusers format)")
+    problem = verify(path)
+    if problem:
+        stop(f"checkpoint {path} is damaged ({problem}); nothing was exported: export an older checkpoint")
+    fd = os.open(os.path.abspath(path) + ".export.lock", os.O_RDWR | os.O_CREAT, 0o644)  # beside, not inside it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        stop(f"another export of {path} is running; wait for it to end")
+    try:
+        export(path, log)
+    except Exception as err:  # a full disk, an unreadable shard (safetensors and DCP raise their own types)
+        shutil.rmtree(os.path.join(path, "transformer.tmp"), ignore_errors=True)
+        if os.path.exists(os.path.join(path, "ema.safetensors.tmp")):
+            os.remove(os.path.join(path, "ema.safetensors.tmp"))
+        reason = "no space left on the device" if isinstance(err, OSError) and _no_space(err) else \
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        stop(f"exporting {path} failed ({reason}); its files are as they were")
+    finally:
+        os.close(fd)
+
+
 if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3 or sys.argv[1] != "export":
         raise SystemExit("usage: python checkpoint.py export CHECKPOINT_FOLDER   (writes its transformer/)")
-    if not os.path.isdir(os.path.join(sys.argv[2], DCP)):
-        raise SystemExit(f"error: {sys.argv[2]} holds no {DCP}/ folder; pass a checkpoint of a sharded full fine-tune "
-                         f"(runs/<name>/checkpoints/iter_XXXXXX)")
-    export(sys.argv[2])
+    export_command(sys.argv[2])

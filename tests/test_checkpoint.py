@@ -458,3 +458,17 @@ def test_a_sharded_save_and_resume_hold_no_gathered_state(tmp_path, ranks=2):
     assert len(figures) == ranks
     for f in figures:  # measured: +5 to +6 MiB to save, +0.6 to +1.4 MiB to load (the same on 1 rank)
         assert f["save"] < 0.25 * f["full"] and f["load"] < 0.25 * f["full"], figures
+
+
+def test_export_refuses_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """`python checkpoint.py export`: a missing folder, a non-sharded one and a damaged one are each one line."""
+    damaged = tmp_path / "iter_000001"
+    (damaged / "dcp").mkdir(parents=True)
+    (damaged / "dcp" / ".metadata").write_bytes(b"garbage")
+    for path, words in [(tmp_path / "nope", "does not exist"), (tmp_path, "holds no dcp/ folder"),
+                        (damaged, "is damaged")]:
+        with pytest.raises(SystemExit) as exit_info:
+            checkpoint.export_command(str(path))
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and err.startswith("error: ") and words in err and "\n" not in err, err
+    assert sorted(os.listdir(damaged)) == ["dcp"]
