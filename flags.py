@@ -527,6 +527,9 @@ def check_flags(args, world: int, log=print):
              f"use a multiple of {world}")
     if args.resume and args.overwrite:
         fail("--resume and --overwrite contradict each other; pass one")
+    if args.log_with == "wandb" and (not args.tracker_project or any(c in args.tracker_project for c in "/\\#?%:")):
+        fail(f"--tracker-project '{args.tracker_project}': a wandb project name cannot be empty or hold / \\ # ? % :; "
+             f"use e.g. g2rpo")
     if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
         fail(f"--log-with {args.log_with} needs its package: pip install -r requirements.txt")
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):

@@ -6,6 +6,7 @@ train.py calls a `Run` at fixed points of its loop; nothing here knows how a rol
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,6 +178,8 @@ class Run:
             if diff:
                 fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
                      f"{diff[2]} here); resume with the same settings or use a new --output-dir")
+            if args.log_with == "wandb":
+                self._check_wandb_id()
         elif self.holds_a_run() and not (args.overwrite or args.resume):
             fail(f"--output-dir '{self.out}' already holds a run; pass --resume to continue it, "
                  f"--overwrite to replace it, or choose another folder")
@@ -184,6 +187,21 @@ class Run:
             fail(f"--output-dir '{self.out}' holds {', '.join(self.foreign_files())}, which a new run would replace; "
                  f"pass --overwrite to replace them, or choose another folder")
         return resume_from
+
+    def _check_wandb_id(self):
+        """Before a wandb run resumes (before any model loads): its id file holds an id, or is missing (then a new
+        wandb run starts, and this says so)."""
+        id_file = os.path.join(self.out, Tracker.WANDB_ID)
+        if not os.path.exists(id_file):
+            self.log(f"note: {id_file} is missing, so a new wandb run starts (its curves begin at the checkpoint)")
+            return
+        try:
+            run_id = open(id_file).read().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            fail(f"{id_file} cannot be read ({type(err).__name__}); delete it to start a new wandb run")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+            fail(f"{id_file} holds no wandb run id ({run_id[:40]!r}); write the run's id into it, or delete it to "
+                 f"start a new wandb run")
 
     def foreign_files(self) -> list:
         """The names a fresh run writes (its samples, tracker files) that the folder already holds."""

@@ -51,3 +51,13 @@ def test_wandb_offline_one_run_across_a_resume(flux_path, tmp_path, monkeypatch)
     # every evaluation's samples, one file per sample: iterations 0, 1, 2 in the first process, 3 in the second
     n = len(images[1])
     assert n > 0 and len(images[0]) == 3 * n, [len(i) for i in images]
+    # a garbled id file is one line before any model loads; a missing one starts a new wandb run, and says so
+    with open(os.path.join(out, "wandb_run_id.txt"), "w") as f:
+        f.write("not an id!\n")
+    bad = run_train([*_tiny_run(flux_path, out, "wandb"), "--num-iterations", "4", "--resume"], check=False)
+    assert bad.returncode == 2 and "holds no wandb run id" in bad.stderr and "Traceback" not in bad.stderr
+    os.remove(os.path.join(out, "wandb_run_id.txt"))
+    fresh = run_train([*_tiny_run(flux_path, out, "wandb"), "--num-iterations", "4", "--resume"])
+    assert "is missing, so a new wandb run starts" in fresh.stdout
+    bad = run_train([*_tiny_run(flux_path, str(tmp_path / "other"), "wandb"), "--tracker-project", "a/b"], check=False)
+    assert bad.returncode == 2 and "a wandb project name cannot" in bad.stderr
