@@ -166,9 +166,19 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def run_config(checkpoint: str) -> dict:
-    """The training run's config.json (every flag), two levels above its checkpoint; {} when absent."""
+    """The training run's config.json (every flag), two levels above its checkpoint; a checkpoint moved out of its
+    run folder has its own copy in trainer.pt / trainer.json; {} when neither holds one."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.json")
     if not os.path.isfile(path):
+        import checkpoint as checkpoints
+
+        try:
+            saved = checkpoints.read_trainer_state(checkpoint).get("config") or {}
+        except Exception:  # an unreadable trainer state: the flags and the family decide, as below
+            saved = {}
+        if saved:
+            print(f"note: no config.json for {checkpoint}; its settings come from the run's record in the checkpoint")
+            return saved
         print(f"warning: no config.json for {checkpoint}; its settings come from the flags and the model family")
         return {}
     try:

@@ -218,6 +218,20 @@ def test_bad_inputs_give_one_error_line(runs, extra, message, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_a_moved_checkpoint_names_its_family(runs, tmp_path):
+    """Out of its run folder (no config.json above it), a checkpoint's own record of the run names its family."""
+    import shutil
+
+    moved = tmp_path / "moved" / "iter_000005"
+    shutil.copytree(runs["full"], moved)
+    config = {"model": "flux", "num_steps": 3, "resolution": 32}
+    torch.save({"iteration": 5, "optimizer": {}, "config": config}, moved / "trainer.pt")
+    (moved / "manifest.json").write_text(json.dumps({"files": {}}))
+    code, _, stderr = run_main(["--checkpoint", str(moved), "--model", "sd3", "--prompt-file", PROMPTS,
+                                "--metrics", "shapes", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "is from a --model flux run, not --model sd3" in stderr and "Traceback" not in stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--metrics", "shapes"], "no model: pass --model"),
     (["--checkpoint", "/nonexistent/run"], "neither a checkpoint"),
