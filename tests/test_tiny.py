@@ -69,7 +69,7 @@ SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteratio
 @pytest.mark.parametrize("sampling", ["g2rpo", "full"])
 def test_short_runs_improve_held_out_reward_and_success(sampling, tiny_cache, tmp_path):
     gains, rises = [], []
-    for seed in range(2):
+    for seed in range(2 if sampling == "g2rpo" else 1):  # the control on one seed (the bench compares it on eight)
         out = str(tmp_path / f"s{seed}")
         run_train(["--model", "tiny", "--tiny-cache", tiny_cache, "--sampling", sampling, "--seed", str(seed),
                    "--output-dir", out, *SHORT])
@@ -80,7 +80,7 @@ def test_short_runs_improve_held_out_reward_and_success(sampling, tiny_cache, tm
         assert len(success) == len(evals) and all(0 <= s <= 1 for s in success)
         rises.append(success[-1] - success[0])
     # measured on 2 cores, seeds 0, 1 (the held-out reward starts at 0.537, the success rate at 0.281 of 96 images,
-    # standard error 0.05): g2rpo reward +0.066 +0.048, success +0.104 +0.094; full SDE +0.042 +0.024, +0.156 +0.115
+    # standard error 0.05): g2rpo reward +0.066 +0.048, success +0.104 +0.094; full SDE (seed 0) +0.042, +0.156
     floor, mean = {"g2rpo": (0.03, 0.04), "full": (0.01, 0.02)}[sampling]
     assert min(gains) > floor, gains  # every seed improves, by a margin
     assert sum(gains) / len(gains) > mean, gains

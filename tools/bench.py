@@ -447,7 +447,7 @@ def _plot(curves, path):
 def main(args: Args):
     if args.quick:
         args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 500, 0, 1, 1
-        args.extra = ("--eval-prompts", "4", *args.extra)
+        args.extra = ("--eval-prompts", "4", "--prompts-per-iteration", "2", "--group-size", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
