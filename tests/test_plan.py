@@ -7,10 +7,12 @@ Each phase's peak must agree within 2 % (measured: equal to 0.1 %), with the fus
 
 Run: python -m pytest -q tests/test_plan.py     (about 30 s on 2 cores)
 """
+import os
+
 import pytest
 
-from tools import plan
 import flags
+from tools import plan
 
 TOLERANCE = 0.02
 
@@ -87,3 +89,24 @@ def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():
     evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
     share = evaluations * len(items) * args.num_steps / (args.num_iterations * rollout.nfe)
     assert rollout.nfe == 1708 and share <= 0.05, share
+
+
+def test_a_broken_configuration_is_one_line(tmp_path, capsys):
+    """--configs with a missing file, a cut-short one or a negative count: one error line each, no traceback."""
+    import json
+    import shutil
+
+    folder = tmp_path / "configs"
+    shutil.copytree(os.path.join(plan.ROOT, "configs", "flux1-dev"), folder)
+    (folder / "vae.json").unlink()
+    with pytest.raises(SystemExit):
+        plan.main(["--model", "flux", "--configs", str(folder)])
+    assert "holds no vae.json" in capsys.readouterr().err
+    (folder / "transformer.json").write_text('{"num_layers": 19, "num_single')
+    with pytest.raises(SystemExit):
+        plan._json(str(folder), "transformer.json")
+    assert "is not readable JSON" in capsys.readouterr().err
+    (folder / "transformer.json").write_text(json.dumps({"num_layers": -3}))
+    with pytest.raises(SystemExit):
+        plan._json(str(folder), "transformer.json")
+    assert "num_layers -3 is negative" in capsys.readouterr().err

@@ -247,8 +247,32 @@ def added(cost: Cost, extra: int, category="other") -> Cost:
 # The run's models, built from their configurations
 # ---------------------------------------------------------------------------------------------------------------
 def _json(folder, name):
-    with open(os.path.join(folder, name)) as f:
-        return json.load(f)
+    """The keyword arguments in `folder`/`name`, or one error line: missing, not JSON, or a negative count."""
+    path = os.path.join(folder, name)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        fail(f"--configs '{folder}' holds no {name}; pass the folder of the model's configurations (tools/configs/)")
+    except (OSError, ValueError) as err:
+        fail(f"{path} is not readable JSON ({type(err).__name__}: {str(err).splitlines()[0]}); restore it from "
+             f"tools/configs/")
+    if not isinstance(config, dict):
+        fail(f"{path} holds {type(config).__name__}, not the keyword arguments of a model; restore it")
+    negative = [k for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool) and v < 0
+                and ("num" in k or "layers" in k or "dim" in k or "size" in k)]
+    if negative:
+        fail(f"{path}: {negative[0]} {config[negative[0]]} is negative; a count or size is >= 0")
+    return config
+
+
+def _built(make, folder, name):
+    """`make()`, a model built from `folder`/`name`, or one error line when the configuration cannot build it."""
+    try:
+        return make()
+    except Exception as err:  # the constructors raise every kind: TypeError, ValueError, AssertionError, ...
+        fail(f"{os.path.join(folder, name)} does not build its model ({type(err).__name__}: "
+             f"{str(err).splitlines()[0] if str(err) else ''}); restore it from tools/configs/")
 
 
 def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
@@ -271,17 +295,19 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
     clip_tokenizer, t5_tokenizer = tiny.build_tokenizers()
     clip_tokenizer.model_max_length, t5_tokenizer.model_max_length = 77, 512
     with building(dtype, fake_mode):
-        vae = AutoencoderKL(**_json(folder, "vae.json"))
-        t5 = T5EncoderModel(T5Config(**_json(folder, "text_encoder_2.json" if args.model == "flux"
-                                             else "text_encoder_3.json")))
+        vae = _built(lambda: AutoencoderKL(**_json(folder, "vae.json")), folder, "vae.json")
+        t5_name = "text_encoder_2.json" if args.model == "flux" else "text_encoder_3.json"
+        t5 = _built(lambda: T5EncoderModel(T5Config(**_json(folder, t5_name))), folder, t5_name)
         if args.model == "flux":
-            clip = CLIPTextModel(CLIPTextConfig(**_json(folder, "text_encoder.json")))
+            clip = _built(lambda: CLIPTextModel(CLIPTextConfig(**_json(folder, "text_encoder.json"))), folder,
+                          "text_encoder.json")
         else:
-            clips = [CLIPTextModelWithProjection(CLIPTextConfig(**_json(folder, f"text_encoder{s}.json")))
-                     for s in ("", "_2")]
+            clips = [_built(lambda s=s: CLIPTextModelWithProjection(CLIPTextConfig(**_json(
+                folder, f"text_encoder{s}.json"))), folder, f"text_encoder{s}.json") for s in ("", "_2")]
     with building(transformer_dtype, fake_mode):
         transformer_class = FluxTransformer2DModel if args.model == "flux" else SD3Transformer2DModel
-        transformer = transformer_class(**_json(folder, "transformer.json"))
+        transformer = _built(lambda: transformer_class(**_json(folder, "transformer.json")), folder,
+                             "transformer.json")
     scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
     if args.model == "flux":
         return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer,
