@@ -94,7 +94,8 @@ class TrainArgs:
     """Recompute activations in the backward pass (needed for FLUX at 720^2)."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Attention kernel of the update's forward and backward. auto: flash, memory-efficient or math on CUDA, never
-    cuDNN attention, whose backward gave wrong gradients on an H200 (docs/performance.md, "GPU"); math is the slow, exact one."""
+    cuDNN attention, whose backward gave wrong gradients on an H200 (docs/performance.md, "GPU"); math is the slow,
+    exact one."""
     rollout_attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Attention kernel of the no-grad rollout and evaluation (forward only)."""
     compile: bool = False
@@ -152,9 +153,9 @@ class TrainArgs:
     """mixed, random window: it lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2); 0 = N."""
     # --- the peers' algorithm axes (--method sets all of them; docs/baselines.md) ---
     method: Literal["g2rpo", "dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"] = "g2rpo"
-    """A named recipe: G2RPO or a peer as its authors run it (METHODS below). It sets every axis of this block and
-    --sampling, --eta, the trained steps and the window; with --model flux also the peer's published sizes (G, N,
-    resolution, lr, clip range, LoRA). Any flag given overrides it."""
+    """A named recipe: G2RPO or a peer as its authors run it (flags.METHODS, docs/baselines.md). It sets every axis
+    of this block and --sampling, --eta, the trained steps and the window; with --model flux also the peer's
+    published sizes (G, N, resolution, lr, clip range, LoRA). Any flag given overrides it."""
     sde_type: Literal["flow", "dance", "cps"] = "flow"
     """The SDE step. flow: std_dev = eta sqrt(sigma / (1 - sigma)) (Flow-GRPO, G2RPO, MixGRPO); dance: std_dev = eta,
     a constant, so the noise std is eta sqrt(-dt) (DanceGRPO, eta 0.3); cps: Flow-GRPO's coefficients-preserving
