@@ -12,7 +12,8 @@ on every rank): A_i = (R_i - mean_j R_j) / (std_all R + 1e-4), the population st
 Shapes: B prompts, J granularities, K SDE steps, G group size, R reward models. Rewards keep one layout from
 scoring to here: (B, J, K, G, R), the order of the rollout's final latents with the reward models last.
 
-Deviations from the reference code (numbers of the README's list): 10 (optional per-reward weights w_m).
+Deviations from the reference code (numbers of the README's list): 10 (optional per-reward weights w_m), 14 (the
+baselines' global std; the bench's credit controls).
 """
 import torch
 

@@ -294,7 +294,9 @@ PRESETS = {
 G2RPO_ALGORITHM = dict(sampling="g2rpo", sde_type="flow", eta=0.7, decode="sample", timestep_fraction=1.0,
                        adv_std="group", same_noise=True, kl_form="exact", reward_fusion="advantage",
                        step_per_sde_step=True, member_chunks=1, window_schedule="wrap")
-ALL_BUT_LAST = lambda n: list(range(n - 1))  # steps 0..N-2: the peers never train the step into sigma = 0
+def all_but_last(num_steps: int) -> list:
+    """Steps 0..N-2: DanceGRPO and Flow-GRPO never train the step into sigma = 0."""
+    return list(range(num_steps - 1))
 
 
 @dataclass(frozen=True)
@@ -311,13 +313,13 @@ METHODS = {
         {**G2RPO_ALGORITHM, "sampling": "full", "sde_type": "dance", "eta": 0.3, "decode": "x0",
          "timestep_fraction": 0.6, "step_per_sde_step": False, "member_chunks": 3},
         dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-             lora_rank=0), per_steps=dict(sde_steps=ALL_BUT_LAST)),
+             lora_rank=0), per_steps=dict(sde_steps=all_but_last)),
     # Flow-GRPO, config/grpo.py pickscore_flux and scripts/train_flux.py
     "flow-grpo": Recipe(
         {**G2RPO_ALGORITHM, "sampling": "full", "eta": 0.9, "adv_std": "global", "same_noise": False,
          "kl_form": "flow-grpo", "reward_fusion": "score", "step_per_sde_step": False, "member_chunks": 2},
         dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, clip_range=1e-4, kl_beta=0.0,
-             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True), per_steps=dict(sde_steps=ALL_BUT_LAST)),
+             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True), per_steps=dict(sde_steps=all_but_last)),
     # Flow-GRPO-Fast, config/grpo.py geneval_flux_fast (cps, the SDE window of 3 inside steps 0..N//2 - 1)
     "flow-grpo-fast": Recipe(
         {**G2RPO_ALGORITHM, "sampling": "mixed", "sde_type": "cps", "eta": 0.8, "window_schedule": "random",

@@ -22,7 +22,8 @@ branches at different steps and of different prompts share one transformer call.
 
 Shapes: B prompts, G group size, K SDE steps in M, J granularities in Lambda, N sampling steps, (...) the latent.
 
-Deviations from the reference code (numbers of the README's list): 1 (shared forwards), 2 (batching).
+Deviations from the reference code (numbers of the README's list): 1 (shared forwards), 2 (batching), 14 (the
+baselines' SDE forms, per-member noise, x0 decoding and windows).
 """
 import math
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def sde_kl(velocity, reference_velocity, sigmas, i, eta, sde_type="flow", kl_for
     gap = velocity.float() - reference_velocity.float()
     if sde_type == "cps":
         std = sigma_next * math.sin(eta * math.pi / 2)
+        # c = -(1 - sigma') sigma + sqrt(sigma'^2 - std^2) (1 - sigma): v's coefficient in the CPS mean
         mean_gap = gap * (-(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma))
         kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)  # sigma' = 0: no noise, no KL
     else:
@@ -363,7 +365,7 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         if stochastic and x.shape[0] == B:  # the members part at their first SDE step
             x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
         index = torch.arange(B, device=device).repeat_interleave(x.shape[0] // B)  # (B or B*G,)
-        v = forward(x, sigmas[i].expand(x.shape[0]).to(device), index)
+        v = forward(x, sigmas[i].expand(x.shape[0]).to(device), index)  # (B or B*G, ...)
         if not stochastic:
             x, _ = sde_step(x, v, sigmas, i, eta=0.0)
             continue
@@ -372,12 +374,13 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         if i in sde_steps:
             trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
         if decode == "x0" and i == len(sigmas) - 2:
-            x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat of the last step
+            x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat = x - sigma v of the last step: (B*G, ...)
         x = x_next
     if x.shape[0] == B:  # no SDE step at all (MixGRPO's empty window): G copies of the ODE sample
         x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
-    stack = lambda part, like: (torch.stack([trained[k][part] for k in sde_steps], 1) if sde_steps
-                                else like.new_zeros(B, 0, *like.shape[1:]))
+    def stack(part, like):  # the trained steps' part along dim 1; K = 0 (an empty window): an empty one
+        return (torch.stack([trained[k][part] for k in sde_steps], 1) if sde_steps
+                else like.new_zeros(B, 0, *like.shape[1:]))
     return Rollout(
         latents=stack(0, x.view(B, G, *shape)),  # (B, K, G, ...)
         next_latents=stack(1, x.view(B, G, *shape)),  # (B, K, G, ...)
