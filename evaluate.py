@@ -25,11 +25,20 @@ Outputs (in --output-dir; default runs/<name>/eval/ of the first checkpoint's ru
 alone, runs/eval for --plot): table.md, results.json (settings, means, standard errors, every score), grid.png (the
 first --grid-prompts prompts, one row per model), images/ with --save-images, curves.png with --plot.
 """
+import signal
+import sys
+
+if __name__ == "__main__":  # a Ctrl-C while torch and the models' libraries import: the one line of any other time
+    def _interrupted(*_):
+        print("\ninterrupted; nothing more was written", file=sys.stderr)
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
+
 import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Literal, Optional
@@ -652,6 +661,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, KeyboardInterrupt as usual
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, as train.py

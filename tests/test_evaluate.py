@@ -356,6 +356,14 @@ def test_ctrl_c_exits_quietly(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
+    # and while its imports load (torch, diffusers): the same one line
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "tiny"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.5)  # its imports take seconds
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr, stderr
 
 
 def test_evaluations_get_their_own_folder_and_one_at_a_time(runs, tmp_path, monkeypatch):
