@@ -280,14 +280,16 @@ def part3(args):
 
 def report(curves, args):
     """The table: each method's success rate and reward at the full budget, with 95 % intervals over training
-    seeds, and its gap to G2RPO {1,2,3} with its interval; a gap is told apart only where its interval excludes 0.
-    The interval's half-width is the smallest gap this run could tell apart."""
+    seeds, and its gaps to G2RPO {1,2,3} with their intervals; a gap is told apart only where its interval excludes
+    0. The interval's half-width is the smallest gap this run could tell apart. The controls' verdicts follow, for
+    the success rate and for the reward (the score training maximises)."""
     final = {name: [run[-1] for run in runs] for name, runs in curves.items()}  # (nfe, wall, success, reward, se)
     reference = final[REFERENCE]
-    print("| method | success (95 % CI) | gap to G2RPO {1,2,3} (95 % CI) | told apart | reward (95 % CI) | "
-          "reward gap (95 % CI) | eval s.e. | NFE spent | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | success (95 % CI) | gap to G2RPO {1,2,3} | told apart | reward (95 % CI) | reward gap | "
+          "told apart | eval s.e. | NFE spent | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     table = {}
+    ci = lambda m, h, f: f"{m:{f}} ± {h:{f.lstrip('+')}}" if h == h else f"{m:{f}} ± n/a"
     for name, points in final.items():
         paired = name != "control: G2RPO on other seeds"
         row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
@@ -297,30 +299,35 @@ def report(curves, args):
             row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in reference], paired)
             row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in reference], paired)
             row["told_apart"] = abs(row["gap"][0]) > row["gap"][1]  # False when the interval is nan
+            row["reward_told_apart"] = abs(row["reward_gap"][0]) > row["reward_gap"][1]
         table[name] = row
-        ci = lambda m, h, f: f"{m:{f}} ± {h:{f.lstrip('+')}}" if h == h else f"{m:{f}} ± n/a"
-        cells = ["-", "-", "-"] if name == REFERENCE else [
-            ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f")]
+        cells = ["-"] * 4 if name == REFERENCE else [
+            ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f"),
+            "yes" if row["reward_told_apart"] else "no"]
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
-              f"{cells[2]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
-    start = curves[REFERENCE][0][0][2]
-    print(f"\nEvery method starts at a held-out success rate of {start:.3f}. A gap's ± is the half-width of its 95 % "
-          f"interval (paired on training seeds; Welch's for the other-seeds control): the smallest gap this run "
-          f"could tell apart. The verdicts:")
+              f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
+    start = curves[REFERENCE][0][0]
+    print(f"\nEvery method starts at a held-out success rate of {start[2]:.3f} and a reward of {start[3]:.4f}. A "
+          f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds control): "
+          f"the smallest gap this run could tell apart. The verdicts (success rate; reward):")
+    said = lambda row, key: "told apart" if row[key] else "not told apart"
     for name, verdict in [("control: G2RPO on other seeds", False), ("control: no learning (lr 0)", True)]:
-        if name not in table:
-            continue
-        got = table[name]["told_apart"]
-        print(f"- {name}: {'told apart' if got else 'not told apart'}"
-              f"{'' if got == verdict else ' (THE BENCH FAILS THIS CONTROL)'}")
+        if name in table:
+            row = table[name]
+            fails = [metric for metric, key in (("success", "told_apart"), ("reward", "reward_told_apart"))
+                     if row[key] != verdict]
+            print(f"- {name}: {said(row, 'told_apart')}; {said(row, 'reward_told_apart')}"
+                  + (f" (THE BENCH FAILS THIS CONTROL ON {' AND '.join(fails).upper()})" if fails else ""))
     credit = table.get("control: step credit destroyed")
     if credit:
-        print(f"- control: step credit destroyed: {'told apart' if credit['told_apart'] else 'not told apart'} "
-              f"(gap {credit['gap'][0]:+.3f} ± {credit['gap'][1]:.3f}): "
-              + ("this world rewards G2RPO's per-step credit" if credit["told_apart"] and credit["gap"][0] < 0 else
+        shown = [metric for metric, key, gap in (("success", "told_apart", "gap"), ("reward", "reward_told_apart",
+                                                                                  "reward_gap"))
+                 if credit[key] and credit[gap][0] < 0]
+        print(f"- control: step credit destroyed: {said(credit, 'told_apart')}; {said(credit, 'reward_told_apart')}: "
+              + (f"on its {' and '.join(shown)} this world rewards G2RPO's per-step credit" if shown else
                  "at this budget this world cannot test the per-step credit assignment"))
     widths = {n: table[n]["gap"][1] for n in ("full SDE, same M", "G2RPO {1}") if n in table}
-    print("- headline half-widths: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
+    print("- headline half-widths in success: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
           + (" (all <= 0.05)" if all(w <= 0.05 for w in widths.values()) else " (above the 0.05 target)"))
     return table
 
