@@ -308,8 +308,8 @@ def report(curves, args):
               f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
     start = curves[REFERENCE][0][0]
     print(f"\nEvery method starts at a held-out success rate of {start[2]:.3f} and a reward of {start[3]:.4f}. A "
-          f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds control): "
-          f"the smallest gap this run could tell apart. The verdicts (success rate; reward):")
+          f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds "
+          f"control): the smallest gap this run could tell apart. The verdicts (success rate; reward):")
     said = lambda row, key: "told apart" if row[key] else "not told apart"
     for name, verdict in [("control: G2RPO on other seeds", False), ("control: no learning (lr 0)", True)]:
         if name in table:
