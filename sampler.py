@@ -327,11 +327,11 @@ def complete_granularities(forward, next_latents, sigmas, sde_steps, granulariti
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Baselines: whole trajectories per member, one reward each (DanceGRPO / Flow-GRPO, MixGRPO / Flow-GRPO-Fast)
+# Baselines: whole trajectories per member, one reward each (DanceGRPO, Flow-GRPO; MixGRPO, Flow-GRPO-Fast)
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
-    """DanceGRPO / Flow-GRPO: G full SDE trajectories per prompt, every step an SDE step; one reward per trajectory
+    """DanceGRPO, Flow-GRPO: G full SDE trajectories per prompt, every step an SDE step; one reward per trajectory
     is later broadcast to its trained steps `sde_steps`. `options`: those of `rollout_trajectories`."""
     return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
                                 eta=eta, max_batch=max_batch, ode_elsewhere=False, **options)
@@ -339,7 +339,7 @@ def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_
 
 @torch.no_grad()
 def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
-    """MixGRPO / Flow-GRPO-Fast: G trajectories per prompt, SDE only on `sde_steps` (the window, which is also what
+    """MixGRPO, Flow-GRPO-Fast: G trajectories per prompt, SDE only on `sde_steps` (the window, which is also what
     is trained) and ODE elsewhere. From a shared initial noise the members are identical until the first SDE step,
     so those steps run once per prompt: NFE = B * (first + G * (N - first)), first = min(sde_steps)."""
     return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
