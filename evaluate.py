@@ -224,6 +224,9 @@ def check_settings(s: dict, where: str):
         fail(problem)
     if s["reward_frames"] < 1:
         fail(f"{where}: reward_frames {s['reward_frames']} must be >= 1 (1 = every frame)")
+    problem = flags.reward_frames_problem(s["model"], s["num_frames"], s["reward_frames"], f"{where}: reward_frames")
+    if problem:
+        fail(problem)
 
 
 def check_args(args):

@@ -19,8 +19,8 @@ import tyro
 
 import rewards
 from kernels import ATTENTION_BACKENDS
-from models import RESOLUTION_MULTIPLE
-from sampler import granular_schedule, sigma_schedule
+from models import ADAPTERS, RESOLUTION_MULTIPLE
+from sampler import KL_FORMS, SDE_TYPES, granular_schedule, sigma_schedule
 
 
 def fail(message: str):
@@ -156,7 +156,7 @@ class TrainArgs:
     """A named recipe: G2RPO or a peer as its authors run it (flags.METHODS, docs/baselines.md). It sets every axis
     of this block and --sampling, --eta, the trained steps and the window; with --model flux also the peer's
     published sizes (G, N, resolution, lr, clip range, LoRA). Any flag given overrides it."""
-    sde_type: Literal["flow", "dance", "cps"] = "flow"
+    sde_type: Literal[SDE_TYPES] = "flow"
     """The SDE step. flow: std_dev = eta sqrt(sigma / (1 - sigma)) (Flow-GRPO, G2RPO, MixGRPO); dance: std_dev = eta,
     a constant, so the noise std is eta sqrt(-dt) (DanceGRPO, eta 0.3); cps: Flow-GRPO's coefficients-preserving
     step, noise std sigma' sin(eta pi / 2), log-prob without its 1 / (2 std^2) (Flow-GRPO-Fast, eta 0.8, clip 1e-5)."""
@@ -172,7 +172,7 @@ class TrainArgs:
     same_noise: bool = True
     """The G members of a prompt share the initial noise x_T (G2RPO, which needs it, DanceGRPO, MixGRPO); False:
     each member draws its own (Flow-GRPO's same_latent=False)."""
-    kl_form: Literal["exact", "flow-grpo"] = "exact"
+    kl_form: Literal[KL_FORMS] = "exact"
     """The KL term's form: exact, the step's Gaussian KL |mean - mean_ref|^2 / (2 std_dev^2 (-dt)); flow-grpo, its
     kl_loss |mean - mean_ref|^2 / (2 std_dev^2), which is the exact one times -dt (6-46x smaller at N 16)."""
     reward_fusion: Literal["advantage", "score"] = "advantage"
@@ -290,10 +290,10 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------------------------
 # --method: G2RPO and its peers as their authors run them (docs/baselines.md gives each value's source file)
 # ---------------------------------------------------------------------------------------------------------------
-# The algorithm: what every recipe sets, on every --model (G2RPO's values are the defaults above)
-G2RPO_ALGORITHM = dict(sampling="g2rpo", sde_type="flow", eta=0.7, decode="sample", timestep_fraction=1.0,
-                       adv_std="group", same_noise=True, kl_form="exact", reward_fusion="advantage",
-                       step_per_sde_step=True, member_chunks=1, window_schedule="wrap")
+# The algorithm: what every recipe sets, on every --model; G2RPO's values are the flags' defaults above
+ALGORITHM_FLAGS = ("sampling", "sde_type", "eta", "decode", "timestep_fraction", "adv_std", "same_noise", "kl_form",
+                   "reward_fusion", "step_per_sde_step", "member_chunks", "window_schedule")
+G2RPO_ALGORITHM = {name: getattr(TrainArgs, name) for name in ALGORITHM_FLAGS}
 def all_but_last(num_steps: int) -> list:
     """Steps 0..N-2: DanceGRPO and Flow-GRPO never train the step into sigma = 0."""
     return list(range(num_steps - 1))
@@ -451,9 +451,8 @@ def validate(args, world: int, log=print):
             read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
 
 
-# the pipeline class each family's model_index.json names (what `folder_family` reads)
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "zimage": "ZImagePipeline",
-             "flux2": "Flux2KleinPipeline", "wan": "WanPipeline"}
+# the pipeline class each family's model_index.json names (what `folder_family` reads): its adapter's
+PIPELINES = {family: adapter.pipeline_class.__name__ for family, adapter in ADAPTERS.items() if family != "tiny"}
 
 
 def _model_index(path: str) -> dict:
@@ -486,6 +485,17 @@ def frames_problem(model: str, num_frames: int, name: str) -> str | None:
     return None
 
 
+def reward_frames_problem(model: str, num_frames: int, reward_frames: int, name: str) -> str | None:
+    """Why scoring every `reward_frames`-th frame (the setting `name`) does not suit `model` and `num_frames`, in one
+    line, or None: it is for video models, and at most the frame count (past it only frame 0 would be scored)."""
+    if model != "wan" and reward_frames != 1:
+        return f"{name} {reward_frames} is for video models (--model wan); --model {model} makes images, so drop it"
+    if reward_frames > num_frames:
+        return (f"{name} {reward_frames} is more than the {num_frames} frames: only frame 0 would be scored; use at "
+                f"most {num_frames} (1 = every frame)")
+    return None
+
+
 def check_flags(args, world: int, log=print):
     """Every check of the flags themselves (no file is read). Returns the reward weights."""
     for f in dataclasses.fields(TrainArgs):
@@ -508,12 +518,9 @@ def check_flags(args, world: int, log=print):
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
         fail(problem)
-    if args.model != "wan" and args.reward_frames != 1:
-        fail(f"--reward-frames {args.reward_frames} is for video models (--model wan); --model {args.model} makes "
-             f"images, so drop it")
-    if args.reward_frames > args.num_frames:
-        fail(f"--reward-frames {args.reward_frames} is more than the --num-frames {args.num_frames}: only frame 0 "
-             f"would be scored; use at most {args.num_frames} (1 = every frame)")
+    problem = reward_frames_problem(args.model, args.num_frames, args.reward_frames, "--reward-frames")
+    if problem:
+        fail(problem)
     if args.model == "flux2" and args.guidance > 1 and _model_index(args.model_path).get("is_distilled"):
         fail(f"--guidance {args.guidance}: '{args.model_path}' is a distilled FLUX.2 klein, which samples without "
              f"guidance (its pipeline ignores the value); use --guidance 0, or a base (non-distilled) model")

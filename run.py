@@ -61,22 +61,22 @@ def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
     return torch.cat(parts).to(tensor.device)
 
 
-def all_sum(n: int, distributed: bool) -> int:
-    """The sum of every rank's n (a mean over every rank's trained (member, step) pairs needs their count)."""
+def _all_reduce_count(n: int, distributed: bool, op) -> int:
     if not distributed:
         return n
     t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return int(t.item())
+
+
+def all_sum(n: int, distributed: bool) -> int:
+    """The sum of every rank's n (a mean over every rank's trained (member, step) pairs needs their count)."""
+    return _all_reduce_count(n, distributed, dist.ReduceOp.SUM)
 
 
 def all_max(n: int, distributed: bool) -> int:
     """The largest of every rank's n (each rank then makes as many forward calls as the busiest one)."""
-    if not distributed:
-        return n
-    t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return _all_reduce_count(n, distributed, dist.ReduceOp.MAX)
 
 
 def any_rank(flag: bool, distributed: bool) -> bool:
@@ -138,8 +138,9 @@ class EMA:
             e.copy_(saved)
 
 
+WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so that --resume continues that run
 # what a fresh run writes into its folder besides config.json and checkpoints/ (replaced only with --overwrite)
-RUN_FILES = ("metrics.jsonl", "samples", "tensorboard", "wandb", "wandb_run_id.txt")
+RUN_FILES = ("metrics.jsonl", "samples", "tensorboard", "wandb", WANDB_ID)
 
 
 class Run:
@@ -183,15 +184,15 @@ class Run:
         elif self.holds_a_run() and not (args.overwrite or args.resume):
             fail(f"--output-dir '{self.out}' already holds a run; pass --resume to continue it, "
                  f"--overwrite to replace it, or choose another folder")
-        elif not args.overwrite and not (args.resume and self.holds_a_run()) and self.foreign_files():
-            fail(f"--output-dir '{self.out}' holds {', '.join(self.foreign_files())}, which a new run would replace; "
+        elif not args.overwrite and not (args.resume and self.holds_a_run()) and (foreign := self.foreign_files()):
+            fail(f"--output-dir '{self.out}' holds {', '.join(foreign)}, which a new run would replace; "
                  f"pass --overwrite to replace them, or choose another folder")
         return resume_from
 
     def _check_wandb_id(self):
         """Before a wandb run resumes (before any model loads): its id file holds an id, or is missing (then a new
         wandb run starts, and this says so)."""
-        id_file = os.path.join(self.out, Tracker.WANDB_ID)
+        id_file = os.path.join(self.out, WANDB_ID)
         if not os.path.exists(id_file):
             self.log(f"note: {id_file} is missing, so a new wandb run starts (its curves begin at the checkpoint)")
             return
@@ -414,8 +415,6 @@ class Tracker:
     TensorBoard drops the events logged after the checkpoint (a crash's partial work), wandb reuses the run id kept
     in the folder."""
 
-    WANDB_ID = "wandb_run_id.txt"
-
     def __init__(self, args, out: str, config: dict, start: int, log):
         name = args.run_name or os.path.basename(os.path.abspath(out))
         self.kind = args.log_with
@@ -431,7 +430,7 @@ class Tracker:
         else:
             import wandb
 
-            id_file = os.path.join(out, self.WANDB_ID)
+            id_file = os.path.join(out, WANDB_ID)
             run_id = open(id_file).read().strip() if start and os.path.exists(id_file) else uuid.uuid4().hex[:8]
             with open(id_file, "w") as f:
                 f.write(run_id + "\n")

@@ -19,6 +19,7 @@ The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come 
 Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machine the runs share the GPU)
       python -m tools.bench --quick            (every part, shortened, under 2 minutes)
 """
+import dataclasses
 import json
 import os
 import sys
@@ -63,6 +64,18 @@ def zero_velocity(x, sigma, idx):
     return torch.zeros_like(x)
 
 
+def zero_rollout(a, it):
+    """train.py's rollout of iteration `it` under the parsed flags `a` with a zero velocity, every call as large as
+    it needs: the forwards it costs (`nfe`, `calls`), for `a.prompts_per_iteration` prompts (at least one)."""
+    import train
+
+    prompts = a.prompts_per_iteration or 1
+    noise = torch.zeros(prompts, 1) if a.same_noise else torch.zeros(prompts, a.group_size, 1)  # the cost's shape
+    return train.roll_out(dataclasses.replace(a, max_batch=10**6), zero_velocity, noise,
+                          sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(prompts)],
+                          train.trained_steps(a, it))
+
+
 def part1():
     print("\n## 1. Rollout cost per prompt per iteration (NFE = one transformer forward on one image)\n")
     print("| method | settings | sampling NFE | transformer calls | training forwards |")
@@ -89,12 +102,9 @@ def recipe_cost(method):
     and trained step (G2RPO's members share theirs; a trajectory's member has its own)."""
     import train
 
-    a = flags.parse_args(["--model", "flux", "--method", method])
-    gens = [torch.Generator().manual_seed(0)]
-    noise = torch.zeros(1, 4) if a.same_noise else torch.zeros(1, a.group_size, 4)
-    a.max_batch = 4096
+    a = flags.parse_args(["--model", "flux", "--method", method, "--prompts-per-iteration", "1"])
     steps = train.trained_steps(a, 0)
-    rollout = train.roll_out(a, zero_velocity, noise, sigma_schedule(a.num_steps, a.shift), gens, steps)
+    rollout = zero_rollout(a, 0)
     per_member = int(a.timestep_fraction * len(steps))
     forwards = len(steps) if a.sampling == "g2rpo" else a.group_size * per_member
     if a.sampling == "mixed":
@@ -181,8 +191,6 @@ def part2(args):
 
 def _per_member(rollout):
     """The same rollout with the shared start latent repeated per member, so the update forwards every member."""
-    import dataclasses
-
     G = rollout.next_latents.shape[2]
     return dataclasses.replace(rollout, latents=rollout.latents.expand(-1, -1, G, *rollout.latents.shape[3:]))
 
@@ -406,13 +414,8 @@ def _train(argv):
 def _nfe_per_iteration(flags_):
     """Rollout NFE of one iteration of train.py with these flags, counted (the mixed samplers: the mean over one
     cycle of the sliding window, or over 64 random draws)."""
-    import train
-
-    a = train.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags_])
-    sigmas, gens = sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(4)]
-    noise = torch.zeros(4, 1) if a.same_noise else torch.zeros(4, a.group_size, 1)
-    a.max_batch = 10**6
-    count = lambda it: train.roll_out(a, zero_velocity, noise, sigmas, gens, train.trained_steps(a, it)).nfe
+    a = flags.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags_])
+    count = lambda it: zero_rollout(a, it).nfe
     if a.sampling != "mixed":
         return count(0)
     # one position of each of the cycle's windows: mixgrpo's starts 0..N-2 (the last empty), wrap's 0..N-size
