@@ -375,7 +375,7 @@ def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_si
         cond = adapter.encode(texts)
         noise = adapter.noise([eval_noise_generator(p, s) for p, s in chunk], resolution)  # (b, ...)
         velocity = lambda x, sigma, idx: adapter.velocity(module, cond, x, sigma, idx, resolution)
-        x0, _, _ = ode_sample(velocity, noise, sigmas, max_batch=batch_size, keep_trajectory=False)
+        x0 = ode_sample(velocity, noise, sigmas, max_batch=batch_size)
         images = adapter.decode(x0, resolution)  # (b, 3, H, W) in [0, 1]
         for name, fn in metric_fns.items():
             scores[name] += fn(images, texts).cpu().tolist()

@@ -31,6 +31,7 @@ import os
 import torch
 
 from kernels import Kernels
+from sampler import prompt_noise
 
 LORA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 LORA_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]
@@ -98,10 +99,6 @@ class Adapter:
     def forwards_per_velocity(self) -> int:
         """Image-forwards of the transformer in one velocity evaluation: 2 with CFG (unconditional, conditional)."""
         return 2 if self.cfg else 1
-
-    def draw_noise(self, generators, shape):
-        """One standard normal latent of `shape` per generator, drawn on the CPU for reproducibility: (B, *shape)."""
-        return torch.stack([torch.randn(shape, generator=g) for g in generators])
 
     @torch.no_grad()
     def encode(self, prompts):
@@ -174,7 +171,7 @@ class FluxAdapter(Adapter):
         """One standard normal latent per generator: (B, L, 4C)."""
         h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
         shape = (self.latent_channels(), h, w)
-        latents = self.draw_noise(generators, shape)  # (B, C, h, w)
+        latents = prompt_noise(generators, shape, "cpu")  # (B, C, h, w)
         return self.pipe._pack_latents(latents, len(generators), shape[0], h, w).to(self.device)  # (B, L, 4C)
 
     def unpack(self, latents, resolution):
@@ -219,7 +216,7 @@ class SD3Adapter(Adapter):
 
     def noise(self, generators, resolution):
         h = w = resolution // self.pipe.vae_scale_factor
-        return self.draw_noise(generators, (self.transformer.config.in_channels, h, w)).to(self.device)  # (B, C, h, w)
+        return prompt_noise(generators, (self.transformer.config.in_channels, h, w), self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
         """Guided velocity v_u + w (v_c - v_u), or v_c when guidance <= 1: latents (M, C, h, w) -> (M, C, h, w)
@@ -268,7 +265,7 @@ class ZImageAdapter(Adapter):
 
     def noise(self, generators, resolution):
         h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
-        return self.draw_noise(generators, (self.transformer.config.in_channels, h, w)).to(self.device)  # (B, C, h, w)
+        return prompt_noise(generators, (self.transformer.config.in_channels, h, w), self.device)  # (B, C, h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
         """latents (M, C, h, w) -> (M, C, h, w) float32; guided when `guidance` > 0."""
@@ -326,7 +323,7 @@ class Flux2KleinAdapter(Adapter):
         """Standard normal latents drawn as the VAE's 2x2 patches (4C, h/2, w/2), flattened to (B, L, 4C)."""
         side = resolution // (self.pipe.vae_scale_factor * 2)
         shape = (self.transformer.config.in_channels, side, side)
-        latents = self.draw_noise(generators, shape)  # (B, 4C, h/2, w/2)
+        latents = prompt_noise(generators, shape, "cpu")  # (B, 4C, h/2, w/2)
         return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
@@ -386,7 +383,7 @@ class WanAdapter(Adapter):
         vae = self.pipe.vae.config
         frames = (self.num_frames - 1) // vae.scale_factor_temporal + 1
         shape = (self.transformer.config.in_channels, frames, *(2 * [resolution // vae.scale_factor_spatial]))
-        return self.draw_noise(generators, shape).to(self.device)  # (B, C, F', h, w)
+        return prompt_noise(generators, shape, self.device)  # (B, C, F', h, w)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
         """latents (M, C, F', h, w) -> (M, C, F', h, w) float32; guided v_u + w (v_c - v_u) with CFG."""

@@ -188,19 +188,15 @@ def prompt_noise(generators, shape, device):
 
 
 @torch.no_grad()
-def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64, keep_trajectory=True):
-    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): returns x0, every latent (N+1, B, ...)
-    (None unless `keep_trajectory`: evaluation needs only x0) and the CountingVelocity that counted the forwards."""
+def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
+    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): x0, in `max_batch` rows a forward."""
     counter = CountingVelocity(velocity_fn, max_batch)
     prompt_index = torch.arange(noise.shape[0], device=noise.device)
     latents = noise.float()
-    trajectory = [latents] if keep_trajectory else None
     for i in range(len(sigmas) - 1):
         velocity = counter(latents, sigmas[i].expand(noise.shape[0]).to(noise.device), prompt_index)
         latents, _ = sde_step(latents, velocity, sigmas, i, eta=0.0)
-        if keep_trajectory:
-            trajectory.append(latents)
-    return latents, torch.stack(trajectory) if keep_trajectory else None, counter
+    return latents
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds
             cond = policy.adapter.encode(prompts)
             noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.resolution)  # (b, ...)
             velocity_fn = make_velocity_fn(args, policy, policy.transformer, cond)
-            x0, _, _ = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch, keep_trajectory=False)
+            x0 = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch)
             for i in range(0, len(chunk), args.reward_batch_size):
                 images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)  # (b', 3, H, W)
                 batch = chunk[i : i + args.reward_batch_size]

@@ -55,8 +55,7 @@ def test_the_adapter_samples_as_the_stock_pipeline(family_path):
     noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(2)], 32)
     cond = adapter.encode(PROMPTS)
     velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, 32)
-    ours, _, _ = ode_sample(velocity, noise, sigma_schedule(3, stock_shift(family, 3)), max_batch=8,
-                            keep_trajectory=False)
+    ours = ode_sample(velocity, noise, sigma_schedule(3, stock_shift(family, 3)), max_batch=8)
     options = {}
     if family == "flux2":  # the stock pipeline takes the noise as 2x2 patches (B, 4C, h/2, w/2)
         noise = noise.transpose(1, 2).reshape(2, -1, 8, 8)

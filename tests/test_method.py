@@ -77,9 +77,11 @@ def test_ode_reaches_fixed_point_of_straight_flow():
     def straight(x, sigma, idx):  # the exact velocity of x_sigma = (1 - sigma) target + sigma eps
         return (x - target) / sigma.view(-1, 1)
 
-    x0, trajectory, counter = ode_sample(straight, torch.randn(4, 3), sigma_schedule(7, 3.0))
+    rows = []
+    counted = lambda x, sigma, idx: rows.append(x.shape[0]) or straight(x, sigma, idx)
+    x0 = ode_sample(counted, torch.randn(4, 3), sigma_schedule(7, 3.0), max_batch=3)
     assert torch.allclose(x0, target.expand(4, 3), atol=1e-5)
-    assert trajectory.shape == (8, 4, 3) and counter.nfe == 28
+    assert rows == [3, 1] * 7  # 7 steps, each in forwards of at most max_batch rows
 
 
 @pytest.mark.parametrize("k,g,expected", [
@@ -157,8 +159,13 @@ def test_rollout_structure():
     assert out.latents.shape == (2, 3, 1, 6) and out.next_latents.shape == (2, 3, 3, 6)
     assert out.old_log_probs.shape == (2, 3, 3) and out.final_latents.shape == (2, 2, 3, 3, 6)
     # members share the anchor bit for bit, and differ after their SDE step
-    with torch.no_grad():
-        x0, trajectory, _ = ode_sample(net, noise, sigmas)
+    with torch.no_grad():  # the deterministic trajectory, step by step
+        trajectory = [noise]
+        for i in range(len(sigmas) - 1):
+            trajectory.append(sde_step(trajectory[-1], net(trajectory[-1], sigmas[i].expand(2), torch.arange(2)),
+                                       sigmas, i, eta=0.0)[0])
+    x0 = trajectory[-1]
+    assert torch.equal(ode_sample(net, noise, sigmas), x0)
     for ki, k in enumerate([0, 2, 5]):
         assert torch.equal(out.latents[:, ki, 0], trajectory[k])
         assert not torch.allclose(out.next_latents[:, ki, 0], out.next_latents[:, ki, 1])
