@@ -19,11 +19,10 @@ Run:
     python evaluate.py --model flux --model-path FLUX.1-dev --checkpoint runs/flux \\
         --metrics hps clip pickscore imagereward --hps-checkpoint HPS_v2.1_compressed.pt   # the paper's table
     torchrun --nproc_per_node 8 evaluate.py --checkpoint runs/flux        # prompts sharded over 8 GPUs
-    python evaluate.py --plot runs/tiny runs/tiny_full                    # reward curves of one or more runs
 
 Outputs (in --output-dir; default runs/<name>/eval/ of the first checkpoint's run, runs/eval_<model> for the base
-alone, runs/eval for --plot): table.md, results.json (settings, means, standard errors, every score), grid.png (the
-first --grid-prompts prompts, one row per model), images/ with --save-images, curves.png with --plot.
+alone): table.md, results.json (settings, means, standard errors, every score), grid.png (the first --grid-prompts
+prompts, one row per model), images/ with --save-images. Training curves: `python -m tools.plot RUN [RUN ...]`.
 """
 import signal
 import sys
@@ -134,8 +133,6 @@ class BaseArgs:
     """Also save every image as images/<model>/<prompt>_<seed>.png."""
     tiny_cache: Optional[str] = None
     """Where --model tiny keeps its pre-trained base model (default: the run's, else .cache)."""
-    plot: list[str] = field(default_factory=list)
-    """Instead of evaluating: plot the train and eval rewards of these runs' metrics.jsonl into curves.png."""
 
 
 def _reward_path_fields():
@@ -582,79 +579,8 @@ def save_image(output_dir, row_name, item, image):
     write_png(image, os.path.join(folder, f"{item[0]:05d}_{item[1]}.png"))
 
 
-# ---------------------------------------------------------------- training curves
-
-
-def read_metrics(run: str) -> list[dict]:
-    """A run's metrics.jsonl rows sorted by iteration, the last row of each iteration kept (a resume may repeat
-    one), lines cut by a crash skipped."""
-    import checkpoint
-
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.isfile(path):
-        fail(f"--plot: '{path}' not found; pass run folders written by train.py")
-    read = checkpoint.read_metrics(path)
-    rows = {row["iteration"]: row for row in read if isinstance(row.get("iteration"), int)}
-    with open(path, errors="replace") as f:
-        lines = sum(1 for line in f if line.strip())
-    unread = lines - sum(1 for row in read if isinstance(row.get("iteration"), int))
-    if unread:
-        print(f"warning: {unread} of the {lines} rows of {path} could not be read (cut short, not JSON, or no "
-              f"iteration) and are left out")
-    if not rows:
-        fail(f"--plot: '{path}' holds no readable rows; pass run folders written by train.py")
-    return [rows[i] for i in sorted(rows)]
-
-
-def reward_curves(rows: list[dict]) -> dict:
-    """{key: (iterations, cumulative NFE, values)} for every train/reward/<name> and eval/reward/<name>; the NFE
-    of a row is the rollout's forwards up to and including that iteration (perf/nfe summed)."""
-    curves, nfe = {}, 0
-    for row in rows:
-        nfe += row.get("perf/nfe") if isinstance(row.get("perf/nfe"), (int, float)) else 0
-        for key, value in row.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"]) \
-                    and isinstance(value, (int, float)) and math.isfinite(value):  # a non-number is skipped
-                its, nfes, values = curves.setdefault(key, ([], [], []))
-                its.append(row["iteration"]), nfes.append(nfe), values.append(value)
-    return curves
-
-
-def plot_runs(runs: list[str], path: str):
-    """Train (solid) and eval (dashed, dots) rewards of every run against iteration and cumulative NFE."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_iteration, by_nfe) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run in runs:
-        for key, (its, nfes, values) in sorted(reward_curves(read_metrics(run)).items()):
-            split, _, name = key.split("/")
-            style = dict(linestyle="-") if split == "train" else dict(linestyle="--", marker="o", markersize=3)
-            if len(values) == 1:  # a line of one point draws nothing: mark it
-                style = {**style, "marker": "o", "markersize": 4}
-            label = f"{os.path.basename(os.path.normpath(run))}: {split} {name}"
-            by_iteration.plot(its, values, label=label, **style)
-            by_nfe.plot(nfes, values, label=label, **style)
-    by_iteration.set_xlabel("iteration")
-    by_nfe.set_xlabel("cumulative rollout NFE (image-forwards)")
-    for axis in (by_iteration, by_nfe):
-        axis.set_ylabel("reward")
-        axis.grid(alpha=0.3)
-    by_nfe.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
-
-
 def main(argv=None):
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
-    if args.plot:
-        return plot_runs(args.plot, os.path.join(args.output_dir or os.path.join("runs", "eval"), "curves.png"))
     results = evaluate(args)
     import torch.distributed as dist
 

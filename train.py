@@ -365,8 +365,10 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
 
 def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
     """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
-    DDP (LoRA) or FSDP2 (full) across ranks, AdamW (`foreach`: torch's default, multi-tensor on CUDA) and the EMA.
-    The reward models are added by the caller (`reward_fns`)."""
+    DDP (LoRA) or FSDP2 (full) across ranks, AdamW and the EMA. The reward models are added by the caller
+    (`reward_fns`). `foreach` and `mesh` are tools/plan.py's, and train.py passes neither: the planner builds a CUDA
+    run on the CPU, so it asks for the multi-tensor AdamW that torch picks on CUDA (foreach=True), and it makes its
+    fake ranks' device mesh before entering fake-tensor mode, where FSDP2 could not make the default one."""
     transformer = adapter.transformer
     full = args.lora_rank == 0
     if full:

@@ -77,8 +77,8 @@ def runs(flux_path, tmp_path_factory):
     return {"lora": str(lora_run), "full": str(full), "root": root}
 
 
-def run_main(argv):
-    """evaluate.main in this process: (exit code, stdout, stderr)."""
+def run_main(argv, main=None):
+    """evaluate.main (or another script's `main`) in this process: (exit code, stdout, stderr)."""
     import contextlib
     import io
 
@@ -86,7 +86,7 @@ def run_main(argv):
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            evaluate.main(list(argv))
+            (main or evaluate.main)(list(argv))
         except SystemExit as exit_info:
             code = exit_info.code
     return code, out.getvalue(), err.getvalue()
@@ -237,7 +237,6 @@ def test_a_moved_checkpoint_names_its_family(runs, tmp_path):
     (["--checkpoint", "/nonexistent/run"], "neither a checkpoint"),
     (["--model", "flux", "--no-base"], "--no-base needs at least one --checkpoint"),
     (["--model", "flux"], "write it with: python -m tools.hpdv2"),
-    (["--plot", "/nonexistent/run"], "metrics.jsonl' not found"),
 ])
 def test_bad_runs_give_one_error_line(argv, message, tmp_path):
     if "tools.hpdv2" in message and os.path.exists(os.path.join(ROOT, "prompts", "hpdv2_test.txt")):
@@ -287,27 +286,6 @@ def test_hpdv2_prompt_files_from_annotations(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 
-def test_plot_of_training_curves(tmp_path):
-    """Rows per iteration (eval-only at 0, a null, a repeated iteration, a line cut by a crash) -> curves, PNG."""
-    run = tmp_path / "run"
-    run.mkdir()
-    rows = [{"iteration": 0, "eval/reward/shapes": 0.5},
-            {"iteration": 1, "train/reward/shapes": 0.4, "train/reward/shapes/g1": 0.4, "perf/nfe": 100},
-            {"iteration": 2, "train/reward/shapes": None, "perf/nfe": 100},
-            {"iteration": 2, "train/reward/shapes": 0.45, "perf/nfe": 100},  # a resume repeated iteration 2
-            {"iteration": 3, "train/reward/shapes": 0.5, "eval/reward/shapes": 0.6, "perf/nfe": 100}]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 4, "tr')
-    curves = evaluate.reward_curves(evaluate.read_metrics(str(run)))
-    assert sorted(curves) == ["eval/reward/shapes", "train/reward/shapes"]
-    assert curves["train/reward/shapes"] == ([1, 2, 3], [100, 200, 300], [0.4, 0.45, 0.5])
-    assert curves["eval/reward/shapes"] == ([0, 3], [0, 300], [0.5, 0.6])
-    code, stdout, stderr = run_main(["--plot", str(run), str(run), "--output-dir", str(tmp_path / "plots")])
-    assert code in (0, None), stderr
-    from PIL import Image
-
-    assert Image.open(tmp_path / "plots" / "curves.png").size[0] > 800
-
-
 def test_a_run_folders_checkpoint_is_picked_and_verified_as_resume_does(runs, tmp_path, capsys):
     """The newest checkpoint that verifies, not the last name in sort order: a damaged iter_N is passed over with a
     warning, and a superseded copy (iter_N.replaced, a user's iter_N.bak) never wins."""
@@ -325,20 +303,6 @@ def test_a_run_folders_checkpoint_is_picked_and_verified_as_resume_does(runs, tm
     with pytest.raises(SystemExit):
         evaluate.resolve_checkpoint(str(checkpoints / "iter_000002"))
     assert "is damaged" in capsys.readouterr().err
-
-
-def test_plot_says_what_it_cannot_read(tmp_path):
-    empty, odd = tmp_path / "empty", tmp_path / "odd"
-    empty.mkdir()
-    odd.mkdir()
-    (empty / "metrics.jsonl").write_text("")
-    code, _, stderr = run_main(["--plot", str(empty), "--output-dir", str(tmp_path / "plots")])
-    assert code == 2 and "holds no readable rows" in stderr and not (tmp_path / "plots" / "curves.png").exists()
-    (odd / "metrics.jsonl").write_text('{"iteration": 1, "train/reward/shapes": "high"}\n'
-                                       '{"iteration": 2, "train/reward/shapes": 0.5}\nnot json\n')
-    code, stdout, stderr = run_main(["--plot", str(odd), "--output-dir", str(tmp_path / "plots")])
-    assert code in (0, None), stderr
-    assert "1 of the 3 rows" in stdout and (tmp_path / "plots" / "curves.png").exists()
 
 
 def test_ctrl_c_exits_quietly(tmp_path):
