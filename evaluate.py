@@ -1,4 +1,4 @@
-"""Evaluate base and fine-tuned text-to-image models side by side: the paper's table, a grid, training curves.
+"""Evaluate base and fine-tuned text-to-image models side by side: the paper's table and a grid.
 
 Every model (the base, and each `--checkpoint` as train.py saves it) generates one image per prompt and noise seed
 with the deterministic sampler (Euler ODE, eta = 0) from the same initial noise, at the checkpoint run's settings
@@ -40,7 +40,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Optional
 
 import torch
 import tyro
@@ -76,16 +76,20 @@ def family_defaults(model: str) -> dict:
 
 SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length", "num_frames",
             "reward_frames"]
+SHARED = SETTINGS + ["reward_batch_size", "mixed_precision", "offload_text_encoders", "tiny_cache"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
 EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
 
 
+# train.py's flags that evaluation takes too, with train.py's help: the sampling settings default to the checkpoint
+# run's (its config.json), else the family preset's
+TrainFlags = dataclasses.make_dataclass("TrainFlags", flags.train_fields(
+    SHARED, elsewhere=SETTINGS + ["tiny_cache"], note="Default: the checkpoint run's, else the family preset's.",
+    notes={"mixed_precision": "Evaluation keeps the weights themselves in bf16 (no training, no master weights)."}))
+
+
 @dataclass
-class BaseArgs:
-    model: Optional[Literal["flux", "sd3", "zimage", "flux2", "wan", "tiny"]] = None
-    """Model family (default: the checkpoint run's). flux, sd3, zimage, flux2, wan, or tiny (the built-in CPU model)."""
-    model_path: Optional[str] = None
-    """The base diffusers pipeline: a folder or hub id (default: the checkpoint run's, else the family's)."""
+class BaseArgs(TrainFlags):
     checkpoint: list[str] = field(default_factory=list)
     """Checkpoints to compare with the base: a checkpoint folder (iter_XXXXXX) or a run folder (its newest)."""
     base: bool = True
@@ -101,38 +105,16 @@ class BaseArgs:
     metrics: list[str] = field(default_factory=list)
     """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
     hps clip pickscore imagereward; shapes for tiny)."""
-    num_steps: Optional[int] = None
-    """Sampling steps (default: the checkpoint run's)."""
-    shift: Optional[float] = None
-    """Time shift of the sigma schedule (default: the checkpoint run's)."""
-    guidance: Optional[float] = None
-    """FLUX: the guidance embedding; SD3, Z-Image, FLUX.2, Wan: the CFG scale (default: the checkpoint run's)."""
-    resolution: Optional[int] = None
-    """Image side in pixels (default: the checkpoint run's)."""
-    num_frames: Optional[int] = None
-    """Video models: frames per sample (default: the checkpoint run's). Grids show a strip of frames per sample."""
-    reward_frames: Optional[int] = None
-    """Video models: the metrics score every this-many-th frame (default: the checkpoint run's, as in training)."""
-    max_sequence_length: Optional[int] = None
-    """Text tokens per prompt (default: the checkpoint run's)."""
     batch_size: Optional[int] = None
     """Images generated per transformer call (default 8; tiny: 64)."""
-    reward_batch_size: int = 16
-    """Images per metric call."""
-    mixed_precision: Literal["bf16", "no"] = "bf16"
-    """bf16 weights and autocast on CUDA; CPU always runs fp32."""
-    offload_text_encoders: bool = False
-    """Keep the text encoders on the CPU between prompt batches."""
     output_dir: str = ""
-    """Where table.md, results.json, grid.png (and images/, curves.png) are written; default: eval/ in the first
+    """Where table.md, results.json, grid.png (and images/) are written; default: eval/ in the first
     checkpoint's run folder (runs/<name>/eval), or runs/eval_<model> for the base alone. One evaluation at a time
     holds it (a lock, as train.py's output folder)."""
     grid_prompts: int = 8
     """Prompts (seed 0) shown in grid.png, one row per model; 0 = no grid."""
     save_images: bool = False
     """Also save every image as images/<model>/<prompt>_<seed>.png."""
-    tiny_cache: Optional[str] = None
-    """Where --model tiny keeps its pre-trained base model (default: the run's, else .cache)."""
 
 
 def _reward_path_fields():

@@ -7,13 +7,18 @@ other flag overrides both. `check_flags` checks every flag before anything is lo
 written (each numeric flag has its range in `RULES`; a test checks that none is missing) and prints the notes that
 need no model; `warn_long_prompts` is the one warning that needs the tokenizer.
 """
+import ast
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import os
 import sys
+import textwrap
+import typing
 from dataclasses import dataclass, field
 from math import isfinite
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional
 
 import tyro
 
@@ -442,6 +447,31 @@ RULES = {
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def flag_help(name: str) -> str:
+    """A TrainArgs flag's help text: the docstring under its field, the text tyro shows in train.py --help."""
+    return _flag_helps()[name]
+
+
+@functools.cache
+def _flag_helps() -> dict:
+    body = ast.parse(textwrap.dedent(inspect.getsource(TrainArgs))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def train_fields(names, elsewhere=(), note="", notes=None):
+    """Dataclass fields of train.py's flags `names` for another script's arguments (evaluate.py): each with its
+    TrainArgs type, default and help, so that no script restates a flag. A name in `elsewhere` defaults to None
+    instead (its value then comes from elsewhere, which `note` says); `notes` adds a sentence to a flag's help."""
+    hints, notes = typing.get_type_hints(TrainArgs, include_extras=True), notes or {}
+    fields = []
+    for name in names:
+        help_ = " ".join(part for part in (flag_help(name), notes.get(name), name in elsewhere and note) if part)
+        type_, default = (Optional[hints[name]], None) if name in elsewhere else (hints[name], getattr(TrainArgs, name))
+        fields.append((name, Annotated[type_, tyro.conf.arg(help=help_)], field(default=default)))
+    return fields
 
 
 def validate(args, world: int, log=print):

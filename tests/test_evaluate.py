@@ -108,6 +108,24 @@ def common_args(runs, out):
             "--batch-size", "3", "--grid-prompts", "4", "--output-dir", str(out)]
 
 
+def test_evaluate_restates_no_flag_of_train_py():
+    """Every flag evaluate.py shares with train.py carries train.py's type and help. Two names mean another thing
+    here, said in their help: --output-dir (the evaluation's folder) and --prompt-file (the prompts evaluated)."""
+    import dataclasses
+    import typing
+
+    import flags
+
+    train = typing.get_type_hints(flags.TrainArgs, include_extras=True)
+    ours = typing.get_type_hints(evaluate.Args, include_extras=True)
+    assert sorted(set(train) & set(ours) - {"output_dir", "prompt_file"}) == sorted(evaluate.SHARED)
+    for name in evaluate.SHARED:
+        assert ours[name].__metadata__[0].help.startswith(flags.flag_help(name)), name
+        assert typing.get_args(ours[name])[0] in (train[name], typing.Optional[train[name]]), name
+    assert {f.name: f.default for f in dataclasses.fields(evaluate.Args)}["reward_batch_size"] == \
+        flags.TrainArgs.reward_batch_size
+
+
 def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folders):  # noqa: F811
     out = runs["root"] / "eval_table"
     argv = common_args(runs, out) + ["--metrics", "shapes", "clip", "unifiedreward", "pickscore",
