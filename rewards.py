@@ -258,111 +258,24 @@ def shapes(device, dtype, batch_size, paths):
     return reward
 
 
-# The judge's question, in this project's words: the caption, then the two criteria UnifiedReward is trained to
-# weigh (faithfulness to the caption, visual quality) and the "Final Score:" line its replies end with. Its authors
-# publish their own wording; pass it with --unifiedreward-question-file to follow their protocol exactly.
-UNIFIEDREWARD_QUESTION = (
-    "<image>\nThis image was generated from the text caption below. Judge it on two things. First, faithfulness: "
-    "does it show what the caption describes, with the right objects, attributes and relations between them? "
-    "Second, quality: is it sharp and detailed, with accurate colours and an appealing overall look? Weigh both "
-    "and give a score from 1 to 5 after 'Final Score:'.\nText Caption: [{prompt}]")
-
-
-def chat_completions_url(url: str) -> str:
-    """An OpenAI-compatible server's base URL (http://host:8000/v1) or its full chat-completions endpoint."""
-    url = url.rstrip("/")
-    return url if url.endswith("/chat/completions") else url + "/chat/completions"
-
-
-def png_data_url(image) -> str:
-    """(3, H, W) in [0, 1] -> 'data:image/png;base64,...' (lossless, so the judge sees the sampled pixels)."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    array = (image.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy()  # (H, W, 3)
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def parse_judge_score(reply: str) -> float:
-    """The number after the last 'Final Score:' in a judge's reply; NaN when there is none (logged, never 0)."""
-    import re
-
-    found = re.findall(r"Final Score:\s*\**\s*([-+]?\d+(?:\.\d+)?)", reply, flags=re.IGNORECASE)
-    return float(found[-1]) if found else float("nan")
-
-
-def _post_json(url: str, body: dict, timeout: float, attempts: int = 3) -> dict:
-    """POST JSON, read JSON; connection errors and 5xx are retried with a growing pause, anything else raises."""
-    import json
-    import time
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            if err.code < 500 or attempt == attempts - 1:
-                raise RewardError(f"the judge at {url} answered HTTP {err.code}: {err.read()[:200]!r}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            if attempt == attempts - 1:
-                raise RewardError(f"no judge answering at {url} ({getattr(err, 'reason', err)}); start an "
-                                  f"OpenAI-compatible server (e.g. vLLM) or pass its URL") from None
-        time.sleep(2**attempt)
-
-
-def _check_server(url: str):
-    """Fail at load time, not after hours of sampling, when nothing listens at `url` (any HTTP answer will do)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(url.removesuffix("/chat/completions") + "/models", timeout=10).close()
-    except urllib.error.HTTPError:
-        pass  # a server answered
-    except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError) as err:
-        raise RewardError(f"no judge answering at {url} ({getattr(err, 'reason', err)}); start an OpenAI-compatible "
-                          f"server for it (e.g. vLLM) or pass its URL") from None
-
-
 def unifiedreward(device, dtype, batch_size, paths):
-    """UnifiedReward: a vision-language judge behind an OpenAI-compatible chat-completions server (vLLM, SGLang).
+    """UnifiedReward: a vision-language judge behind an OpenAI-compatible chat-completions server (vLLM, SGLang);
+    its HTTP client is judge.py. Each image goes to the server as a PNG beside the scoring question, and the score
+    (1-5) is parsed from the reply; `batch_size` requests are in flight at once. A reply without a score gives NaN."""
+    import judge
 
-    Each image goes to the server as a PNG data URL beside the scoring question; the score (1-5) is parsed from
-    the reply. `batch_size` requests are in flight at once. A reply without a score gives NaN."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    url, model = chat_completions_url(paths["unifiedreward_url"]), paths["unifiedreward_model"]
-    question = UNIFIEDREWARD_QUESTION
+    question = judge.QUESTION
     if paths["unifiedreward_question_file"]:
         with open(_resolve_file(paths["unifiedreward_question_file"], "the judge's question file", "your own copy"),
                   encoding="utf-8") as f:
             question = f.read()
         if "{prompt}" not in question:
             raise RewardError("the judge's question file must mark the caption with {prompt}")
-    _check_server(url)
-
-    def ask(image, prompt):
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                   {"type": "text", "text": question.replace("{prompt}", prompt)}]
-        reply = _post_json(url, {"model": model, "temperature": 0.0, "max_tokens": 1024,
-                                 "messages": [{"role": "user", "content": content}]}, timeout=300)
-        try:
-            return parse_judge_score(reply["choices"][0]["message"]["content"] or "")
-        except (KeyError, IndexError, TypeError):
-            raise RewardError(f"the judge at {url} sent no chat completion: {str(reply)[:200]}") from None
-
-    def score(images, prompts):
-        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            return torch.tensor(list(pool.map(ask, images.float().cpu(), prompts)))
-
-    return _batched(score, batch_size)
+    try:
+        client = judge.Judge(paths["unifiedreward_url"], paths["unifiedreward_model"], question)
+    except judge.JudgeError as err:
+        raise RewardError(str(err)) from None
+    return _batched(client, batch_size)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import judge
 import rewards
 from rewards import RewardError, load_reward, parse_rewards, preprocess
 
@@ -346,7 +347,7 @@ def test_unifiedreward_client_against_a_local_server(monkeypatch):
         server.close()
     with pytest.raises(RewardError, match="no judge answering at http://127.0.0.1:9/v1/chat/completions"):
         load_reward("unifiedreward", paths={"unifiedreward_url": "http://127.0.0.1:9/v1"})
-    assert rewards.parse_judge_score("**Final Score:** 4.5\nFinal Score: 3") == 3.0
+    assert judge.parse_judge_score("**Final Score:** 4.5\nFinal Score: 3") == 3.0
 
 
 def test_unifiedreward_question_from_a_file(tmp_path):
