@@ -298,8 +298,8 @@ def lora_scale(lora_file: str, config: dict) -> float:
     with safe_open(lora_file, "pt") as f:
         if "lora_adapter_metadata" in (f.metadata() or {}):
             return 1.0
-    rank, alpha = config.get("lora_rank") or 0, config.get("lora_alpha") or 0
-    return alpha / rank if rank and alpha else 1.0
+    rank = config.get("lora_rank") or 0
+    return flags.lora_alpha(rank, config.get("lora_alpha") or 0) / rank if rank else 1.0
 
 
 class CheckpointWeights:

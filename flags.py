@@ -255,6 +255,26 @@ class TrainArgs:
     dist_timeout_minutes: float = 30.0
     """A rank waiting longer than this on a collective stops the run (a failed rank then cannot hang the rest)."""
 
+    # --- what follows from the flags, defined once (properties and methods are not flags) ---------------------------
+    @property
+    def full(self) -> bool:
+        """Full fine-tuning (--lora-rank 0; FSDP2 across ranks), else LoRA (DDP)."""
+        return self.lora_rank == 0
+
+    @property
+    def lora_alpha_applied(self) -> float:
+        """LoRA's alpha as trained: --lora-alpha, or the rank when it is 0."""
+        return lora_alpha(self.lora_rank, self.lora_alpha)
+
+    def global_batch(self, world: int) -> int:
+        """Prompts per iteration over all `world` ranks: --prompts-per-iteration, or one per rank when it is 0."""
+        return self.prompts_per_iteration or world
+
+
+def lora_alpha(rank: int, alpha: float) -> float:
+    """The alpha of a LoRA of this rank saved with this --lora-alpha (0: alpha = rank); evaluate.py reads a run's."""
+    return alpha or rank
+
 
 # every reward's model paths become flags of their own, declared once in rewards.REWARDS
 Args = dataclasses.make_dataclass(

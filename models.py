@@ -53,7 +53,8 @@ def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=N
 
     The frozen base stays in the dtype it was loaded in (bf16 on a GPU: it is only read); the LoRA weights, the only
     trained ones, are fp32, because autocast computes in bf16 anyway and AdamW's small steps vanish in bf16 weights.
-    `alpha` 0 means alpha = rank. The LoRA initialisation draws from torch's global generator: seed it first.
+    The LoRA scale is `alpha` / rank (TrainArgs.lora_alpha_applied). The initialisation draws from torch's global
+    generator: seed it first.
     `targets`: (attention, feed-forward) module names; FLUX's and SD3's by default.
     """
     from peft import LoraConfig
@@ -64,7 +65,7 @@ def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=N
         targets = f"(?:{attention})|(?:{ff})" if feed_forward else attention
     else:
         targets = attention + (ff if feed_forward else [])
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
                                        target_modules=targets))
     for p in transformer.parameters():
         if p.requires_grad:

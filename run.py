@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import uuid
 
 import torch
@@ -324,7 +323,7 @@ class Run:
             raise SystemExit(f"error: the weights are not finite after iteration {iteration} (a learning rate too "
                              f"high?); no checkpoint written, the last good one is "
                              f"{checkpoint.latest_checkpoint(self.out, log=self.log) if self.master else ''}")
-        lora = self.args.lora_rank > 0
+        lora = not self.args.full
         sharded = checkpoint.uses_dcp(model, lora)  # then the EMA's shards go into dcp/ as they are
         extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else None
         try:

@@ -51,7 +51,7 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
     """One G2RPO iteration on this rank's prompts; returns its metrics (floats)."""
     t0 = time.time()
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
-    global_batch = args.prompts_per_iteration or world
+    global_batch = args.global_batch(world)
     batch, positions = batch_prompts(prompts, args.seed, it, global_batch, rank, global_batch // world)
     cond = policy.adapter.encode(batch)
     gens = generators(args.seed, it, positions)
@@ -342,14 +342,13 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
         import tiny
 
         model_path = tiny.ensure_pretrained_on_ranks(args.tiny_cache, log=log)
-    full = args.lora_rank == 0
     try:
         adapter = ADAPTERS[args.model].load(
             model_path, device, dtype, guidance=args.guidance, max_sequence_length=args.max_sequence_length,
             offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
             rollout_attention_backend=args.rollout_attention_backend, compile=args.compile,
             # full fine-tune: fp32 master weights; LoRA: the frozen base in the compute dtype (bf16 on GPU)
-            transformer_dtype=torch.float32 if full else dtype, place_transformer=not (distributed and full),
+            transformer_dtype=torch.float32 if args.full else dtype, place_transformer=not (distributed and args.full),
             num_frames=args.num_frames)
     except ModelLoadError as err:
         fail(str(err))
@@ -370,21 +369,20 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
     run on the CPU, so it asks for the multi-tensor AdamW that torch picks on CUDA (foreach=True), and it makes its
     fake ranks' device mesh before entering fake-tensor mode, where FSDP2 could not make the default one."""
     transformer = adapter.transformer
-    full = args.lora_rank == 0
-    if full:
+    if args.full:
         transformer.requires_grad_(True)
     else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha or args.lora_rank, args.lora_feed_forward,
+        add_lora(transformer, args.lora_rank, args.lora_alpha_applied, args.lora_feed_forward,
                  adapter.lora_targets)
     reference = None
-    if full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
+    if args.full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
         import copy
 
         reference = copy.deepcopy(transformer).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     model = transformer
-    if distributed and not full:
+    if distributed and not args.full:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
@@ -469,7 +467,7 @@ def main(args):
         policy = build_policy(args, device, dtype, reward_weights, distributed, log)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)
         if resume_from:
-            state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, args.lora_rank > 0,
+            state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, not args.full,
                                     extra={"ema": policy.ema.tensors()} if policy.ema is not None else None)
             if policy.ema is not None:
                 if "ema" not in state["extra"]:

@@ -33,7 +33,7 @@ def make_adapter(dtype=torch.float32, lora=True, **options):
     torch.manual_seed(0)
     adapter = models.FluxAdapter(tiny.build_pipeline(seed=0), "cpu", dtype, max_sequence_length=16, **options)
     if lora:
-        models.add_lora(adapter.transformer, rank=4, alpha=0, feed_forward=True)
+        models.add_lora(adapter.transformer, rank=4, alpha=4, feed_forward=True)
     return adapter
 
 

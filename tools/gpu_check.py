@@ -144,7 +144,7 @@ def build(scale: Scale, options: dict):
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
                         text_encoder_2=None, tokenizer_2=tiny.build_tokenizers()[1], transformer=transformer)
     adapter = models.FluxAdapter(pipe, device, dtype, guidance=3.5, **options)
-    models.add_lora(transformer, rank=scale.lora_rank, alpha=0, feed_forward=False)
+    models.add_lora(transformer, rank=scale.lora_rank, alpha=scale.lora_rank, feed_forward=False)
     transformer.enable_gradient_checkpointing()
     config = scale.transformer
     T, D, D_pooled = scale.text_tokens, config["joint_attention_dim"], config["pooled_projection_dim"]

@@ -425,7 +425,7 @@ def _plan(args, fake, log, mesh=None):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     device = torch.device("cpu")
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    full = args.lora_rank == 0
+    full = args.full
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
     started = time.time()
     torch.manual_seed(args.seed)
@@ -459,7 +459,7 @@ def _plan(args, fake, log, mesh=None):
 
     # --- the shapes of one iteration -----------------------------------------------------------------------------
     world = args.gpus
-    B = (args.prompts_per_iteration or world) // world  # prompts per rank
+    B = args.global_batch(world) // world  # prompts per rank
     sigmas = sigma_schedule(args.num_steps, args.shift)
     steps = train.trained_steps(args, 0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
