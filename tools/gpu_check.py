@@ -41,15 +41,19 @@ from typing import Literal
 import torch
 import tyro
 
+import flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
-FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=[16, 56, 56])  # black-forest-labs/FLUX.1-dev transformer/config.json
-FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
-                layers_per_block=2, down_block_types=["DownEncoderBlock2D"] * 4,
-                up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
-                scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1-dev vae/config.json
+
+
+def published_config(name: str) -> dict:
+    """FLUX.1-dev's published config of one model (transformer, vae), as tools/configs keeps it for tools/plan.py."""
+    with open(os.path.join(ROOT, "tools", "configs", "flux1-dev", name + ".json")) as f:
+        return json.load(f)
+
+
+FLUX_DEV, FLUX_VAE = published_config("transformer"), published_config("vae")
 SMALL = dict(FLUX_DEV, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
              num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=[4, 6, 6])
 SMALL_VAE = dict(FLUX_VAE, latent_channels=4, block_out_channels=[16, 16], layers_per_block=1, norm_num_groups=8,
@@ -79,17 +83,21 @@ class Scale:
 
 
 SCALES = {
-    "flux": Scale(FLUX_DEV, FLUX_VAE, 512, 720, (512, 720), 16, 12, tuple(range(8)), (1, 2), 24, (12, 24, 48), 64,
-                  "inductor", ["--model", "tiny", "--num-iterations", "20"],
-                  dict(tiny=300, gradient=150, iteration=330, lever=150)),
-    "small": Scale(SMALL, SMALL_VAE, 16, 32, (32,), 4, 3, (0, 1), (1, 2), 8, (4, 8), 4, "aot_eager",
-                   ["--model", "flux", "--num-iterations", "1", "--resolution", "32", "--num-steps", "4",
+    "flux": Scale(transformer=FLUX_DEV, vae=FLUX_VAE, text_tokens=512, resolution=720, lever_resolutions=(512, 720),
+                  num_steps=16, group_size=12, sde_steps=tuple(range(8)), granularities=(1, 2), max_batch=24,
+                  batches=(12, 24, 48), lora_rank=64, compile="inductor",
+                  tiny_args=["--model", "tiny", "--num-iterations", "20"],
+                  timeouts=dict(tiny=300, gradient=150, iteration=330, lever=150)),
+    "small": Scale(transformer=SMALL, vae=SMALL_VAE, text_tokens=16, resolution=32, lever_resolutions=(32,),
+                   num_steps=4, group_size=3, sde_steps=(0, 1), granularities=(1, 2), max_batch=8, batches=(4, 8),
+                   lora_rank=4, compile="aot_eager",
+                   tiny_args=["--model", "flux", "--num-iterations", "1", "--resolution", "32", "--num-steps", "4",
                     "--group-size", "3", "--sde-steps", "0", "1", "--granularities", "1", "2",
                     "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
                     "--prompt-file", "prompts/tiny_train.txt", "--eval-prompt-file", "prompts/tiny_eval.txt",
                     "--eval-seeds", "1", "--eval-every", "1", "--lr", "1e-3", "--mixed-precision", "no",
                     "--no-gradient-checkpointing"],
-                   dict(tiny=120, gradient=60, iteration=60, lever=60)),
+                   timeouts=dict(tiny=120, gradient=60, iteration=60, lever=60)),
 }
 
 
@@ -208,7 +216,7 @@ def share_of_peak(flops_per_s):
 # ---------------------------------------------------------------------------------------------------------------
 # the cases (on CUDA each runs in a subprocess of its own)
 # ---------------------------------------------------------------------------------------------------------------
-ETA, CLIP_RANGE, SHIFT = 0.7, 1e-4, 3.0  # the reference's eta, clip range and time shift
+ETA, CLIP_RANGE, SHIFT = (flags.preset("flux")[name] for name in ("eta", "clip_range", "shift"))  # as the flux preset
 
 
 def decode_and_reward(adapter, final_latents, resolution, chunk=8):
