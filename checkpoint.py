@@ -28,8 +28,9 @@ Guarantees:
    then renamed to `iter_N/` and the `checkpoints/` folder fsynced, so a power loss leaves either the old state
    or the new one.
 3. A checkpoint is verified before it is trusted (`verify`): every file the manifest lists is there with its
-   size, files up to HASH_LIMIT match their sha256, trainer.pt opens and every .safetensors header matches its
-   file size. `latest_checkpoint` returns the newest checkpoint that verifies and sets newer damaged ones aside.
+   size, files up to HASH_LIMIT match their sha256, trainer.pt opens and safetensors opens every .safetensors
+   file (its header describes exactly the file's bytes). `latest_checkpoint` returns the newest checkpoint that
+   verifies and sets newer damaged ones aside.
 4. Rotation deletes only checkpoints older than the one just written, so the newest good one always survives.
 5. metrics.jsonl is appended line by line with fsync; a line cut short by a crash is skipped when read, and
    rows from after the resumed checkpoint are dropped by an atomic rewrite.
@@ -224,20 +225,16 @@ def _manifest_problem(path):
 
 
 def _safetensors_problem(path):
-    """Why a .safetensors file is not whole (its header's data end must be the file's end), or None."""
-    size = os.path.getsize(path)
+    """Why a .safetensors file is not whole, or None: safetensors itself refuses a header that does not parse or
+    does not describe exactly the file's bytes (a file cut short, padded, or of garbage). It maps the file and
+    reads the header alone."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        with open(path, "rb") as f:
-            header_size = int.from_bytes(f.read(8), "little")
-            if size < 8 or 8 + header_size > size:
-                return "its header is cut short"
-            header = json.loads(f.read(header_size))
-        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, IndexError):
-        return "its header is unreadable"
-    if 8 + header_size + data_end != size:
-        return f"it holds {size} bytes, its header describes {8 + header_size + data_end}"
-    return None
+        with safe_open(path, "pt"):
+            return None
+    except SafetensorError as err:
+        return f"safetensors cannot read it ({str(err).removeprefix('Error while deserializing header: ')})"
 
 
 def _trainer_state_problem(path):
@@ -540,8 +537,9 @@ def _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, 
 def export(path, log=print):
     """From a sharded checkpoint's dcp/, write `path`/transformer/ (diffusers: config.json and safetensors files
     that `from_pretrained` loads) and, if it holds an EMA, `path`/ema.safetensors. On the CPU, without the run's
-    GPUs or process group, reading at most EXPORT_SHARD_BYTES of tensors at a time."""
+    GPUs or process group, reading one file of at most EXPORT_SHARD_BYTES of tensors at a time."""
     import torch.distributed.checkpoint as dcp
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -553,17 +551,6 @@ def export(path, log=print):
     stored = {k: m for k, m in FileSystemReader(reader).read_metadata().state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata)}
 
-    def groups(prefix):
-        group, size = [], 0
-        for key in sorted(k for k in stored if k.startswith(prefix)):
-            nbytes = stored[key].size.numel() * stored[key].properties.dtype.itemsize
-            if group and size + nbytes > EXPORT_SHARD_BYTES:
-                yield group
-                group, size = [], 0
-            group, size = group + [key], size + nbytes
-        if group:
-            yield group
-
     def read(keys, prefix):
         tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
         dcp.load(tensors, checkpoint_id=reader, no_dist=True)  # this process alone, whatever the world size
@@ -574,26 +561,28 @@ def export(path, log=print):
     os.makedirs(tmp)
     with open(os.path.join(path, TRAINER_JSON)) as f, open(os.path.join(tmp, "config.json"), "w") as out:
         json.dump(json.load(f)["transformer_config"], out, indent=2)
-    files = list(groups("model."))
-    weight_map, total = {}, 0
-    for i, keys in enumerate(files):
-        name = ("diffusion_pytorch_model.safetensors" if len(files) == 1 else
-                f"diffusion_pytorch_model-{i + 1:05d}-of-{len(files):05d}.safetensors")
-        tensors = read(keys, "model.")
+    # the files and their index as huggingface_hub splits a state dict (its shapes alone, on the meta device);
+    # each file's tensors are then read from dcp/ and written, one file in memory at a time
+    shapes = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device="meta")
+              for k, m in sorted(stored.items()) if k.startswith("model.")}
+    split = split_torch_state_dict_into_shards(shapes, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+                                               max_shard_size=EXPORT_SHARD_BYTES)
+    for name, keys in split.filename_to_tensors.items():
+        tensors = read(["model." + k for k in keys], "model.")
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
-        weight_map.update({k: name for k in tensors})
-        total += sum(v.numel() * v.element_size() for v in tensors.values())
-    if len(files) > 1:
+    if split.is_sharded:
         with open(os.path.join(tmp, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=1)
+    total, files = split.metadata["total_size"], len(split.filename_to_tensors)
     ema_tmp = os.path.join(path, "ema.safetensors.tmp")
     if any(k.startswith("ema.") for k in stored):  # written beside, so that both files are replaced or neither
-        save_file({k: v.contiguous() for keys in groups("ema.") for k, v in read(keys, "ema.").items()}, ema_tmp)
+        save_file({k: v.contiguous() for k, v in read([k for k in stored if k.startswith("ema.")], "ema.").items()},
+                  ema_tmp)
     shutil.rmtree(os.path.join(path, "transformer"), ignore_errors=True)
     os.replace(tmp, os.path.join(path, "transformer"))
     if os.path.exists(ema_tmp):
         os.replace(ema_tmp, os.path.join(path, "ema.safetensors"))
-    log(f"exported transformer/ ({total / 2**30:.2f} GiB in {len(files)} file(s)) from {os.path.join(path, DCP)}")
+    log(f"exported transformer/ ({total / 2**30:.2f} GiB in {files} file(s)) from {os.path.join(path, DCP)}")
 
 
 def load(path, model, transformer, optimizer, lora, extra=None):
@@ -739,8 +728,6 @@ def export_command(path, log=print):
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) != 3 or sys.argv[1] != "export":
         raise SystemExit("usage: python checkpoint.py export CHECKPOINT_FOLDER   (writes its transformer/)")
     export_command(sys.argv[2])

@@ -212,6 +212,16 @@ def check_sharded_checkpoints(common, one, two, tmp_path):
     final = transformer_weights(two, 2)
     assert final.keys() == exported.state_dict().keys()
     assert any(not torch.equal(exported.state_dict()[k], final[k]) for k in final)  # iteration 1's, not 2's
+    many = tmp_path / "many_files"  # export in files of 64 KiB: the index that from_pretrained follows
+    shutil.copytree(first, many)
+    saved, checkpoint.EXPORT_SHARD_BYTES = checkpoint.EXPORT_SHARD_BYTES, 1 << 16
+    try:
+        checkpoint.export(str(many), log=lambda *_: None)
+    finally:
+        checkpoint.EXPORT_SHARD_BYTES = saved
+    assert len([n for n in os.listdir(many / "transformer") if n.endswith(".safetensors")]) > 1
+    from_files = FluxTransformer2DModel.from_pretrained(str(many / "transformer")).state_dict()
+    assert all(torch.equal(from_files[k], v) for k, v in exported.state_dict().items())
     pipe = FluxPipeline.from_pretrained(common[common.index("--model-path") + 1], transformer=exported)
     pipe.set_progress_bar_config(disable=True)
     image = pipe("a red circle on the left", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
