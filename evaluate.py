@@ -450,7 +450,7 @@ def _json_safe(value):
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
-def evaluate(args):
+def compare(args):
     """Sample and score every model over this rank's share of the items; rank 0 writes the table and files."""
     check_args(args)
     rows = plan_rows(args)
@@ -563,7 +563,7 @@ def save_image(output_dir, row_name, item, image):
 
 def main(argv=None):
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
-    results = evaluate(args)
+    results = compare(args)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -5,7 +5,7 @@ log-probability of its stored SDE sample x_{k+1}^i (the same `sde_step` formula 
 (paper Eq. 8-9)
     r_i,k  = exp(log pi_theta(x_{k+1}^i | x_k) - log pi_old(x_{k+1}^i | x_k))
     L_k    = mean_i max(-A_i,k * r_i,k,  -A_i,k * clip(r_i,k, 1 - eps_clip, 1 + eps_clip))
-    L      = mean_k L_k   (+ beta * mean_k KL_k, optional, off in the reference)
+    L      = mean_k L_k   (+ beta * mean_k KL_k, optional, off in the reference code)
 In G2RPO every member of a prompt starts step k from the same anchor latent, so one forward per prompt (batch B,
 not B*G) scores all G members; the full-SDE baseline has one start latent per member (S = G).
 
@@ -36,7 +36,7 @@ def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None)
 
 
 def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, clip_range, loss_scale, max_batch,
-                       kl_beta=0.0, reference_velocity_fn=None, sde_type="flow", kl_form="exact", weights=None,
+                       kl_beta=0.0, base_velocity_fn=None, sde_type="flow", kl_form="exact", weights=None,
                        sync_rows=None):
     """Loss of trained step `ki` over every member, back-propagated (times `loss_scale`) in micro-batches of start
     latents. advantages: (B, G). Returns this step's statistics as floats (None when no member trains it).
@@ -78,8 +78,8 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, cli
             chunk_loss = clipped_loss(log_probs, old_log_probs[chunk], advantages[chunk], clip_range, weights[chunk])
         if kl_beta > 0:  # KL to the base model's step (same std): |mean_theta - mean_ref|^2 / (2 std^2)
             with torch.no_grad():
-                reference = reference_velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
-            row_kl = sde_kl(velocity, reference, sigmas, k, eta, sde_type, kl_form)  # (chunk_size,)
+                base = base_velocity_fn(x, sigma, prompt_index[chunk])  # (chunk_size, ...)
+            row_kl = sde_kl(velocity, base, sigmas, k, eta, sde_type, kl_form)  # (chunk_size,)
             chunk_kl = row_kl.mean() * share if weights is None else (row_kl * weights[chunk].sum(1)).sum()
             chunk_loss = chunk_loss + kl_beta * chunk_kl
             kl += float(chunk_kl.detach())
@@ -120,14 +120,14 @@ def optimizer_step(params, optimizer, max_grad_norm):
 
 
 def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
-                 step_per_sde_step=True, max_batch=64, kl_beta=0.0, reference_velocity_fn=None, sde_type="flow",
+                 step_per_sde_step=True, max_batch=64, kl_beta=0.0, base_velocity_fn=None, sde_type="flow",
                  kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None, all_sum=None, world=1):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
     grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps.
 
     When the optimizer steps (the peers differ, docs/baselines.md):
-      step_per_sde_step:        one step per trained step k, on the mean over its members (the G2RPO reference);
+      step_per_sde_step:        one step per trained step k, on the mean over its members (the G2RPO reference code);
       otherwise:                the gradients of every trained step accumulate; the G members of each group
                                 split into `member_chunks` chunks, one step each (1: one step an iteration), on
                                 the mean over its (member, step) pairs (DanceGRPO, Flow-GRPO, MixGRPO).
@@ -137,7 +137,7 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     """
     B, K, G = advantages.shape
     options = dict(eta=eta, clip_range=clip_range, max_batch=max_batch, kl_beta=kl_beta,
-                   reference_velocity_fn=reference_velocity_fn, sde_type=sde_type, kl_form=kl_form)
+                   base_velocity_fn=base_velocity_fn, sde_type=sde_type, kl_form=kl_form)
     per_step, grad_norms = [], []
     optimizer.zero_grad(set_to_none=True)
     chunks = torch.arange(G).tensor_split(1 if step_per_sde_step else member_chunks)  # member indices, (G/C,) each
@@ -185,7 +185,7 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
 def update_loss(velocity_fn, rollout, sigmas, eta, advantages=None, sde_type="flow"):
     """The update's loss for the first prompt at its first trained step, as a closure for `check_gradient`: one
     forward scores the members of the first start latent, through `g2rpo.clipped_loss` without its clip (at the
-    first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the reference kernel's
+    first step r = 1, where the clip's mask flips on ratio differences of 1e-4, which the math kernel's
     rounding alone makes). advantages: (B, K, G), or None for ones: then the gradient is the log-likelihood's, which
     no advantage can zero (a run's first group may have equal rewards). It draws no random numbers, so it can run
     under each kernel in turn."""

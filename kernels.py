@@ -24,7 +24,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math", "cudnn")
 
 # --- attention kernels ------------------------------------------------------------------------------------------
 # diffusers' FLUX and SD3 attention calls torch's F.scaled_dot_product_attention (SDPA), so torch's `sdpa_kernel`
-# context picks the kernel: flash, memory-efficient, math (the plain softmax(QK^T / sqrt(d)) V, the reference) or
+# context picks the kernel: flash, memory-efficient, math (the plain softmax(QK^T / sqrt(d)) V, the exact one) or
 # cuDNN.
 _KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -110,21 +110,22 @@ class Kernels:
         self.attention_backend = validate_attention_backend(attention_backend)
         self.rollout_attention_backend = validate_attention_backend(rollout_attention_backend)
         self.compile, self._compiled = compile, False
-        self._reference = None  # inside `reference_mode`: whether the reference computes in fp32
+        self._exact = False  # inside `exact_mode`: the math kernel in every phase, eager
+        self._exact_fp32 = False  # and autocast off (fp32 weights only)
         cuda_only = sorted({attention_backend, rollout_attention_backend} & {"efficient", "cudnn"})
         if cuda_only and self.device.type != "cuda" and int(os.environ.get("RANK", 0)) == 0:  # said once
             print(f"note: attention backend {' and '.join(cuda_only)} needs CUDA; on {self.device.type} the attention "
                   f"runs on torch's own choice of kernel (flash-on-CPU or math)")
 
     def autocast(self):
-        fp32 = self.dtype == torch.float32 or self._reference
+        fp32 = self.dtype == torch.float32 or self._exact_fp32
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=not fp32)
 
     def __call__(self):
         """The context of one call: autocast to the compute dtype, and the SDPA kernels of the phase, the update's
         when gradients are on (forward and backward), the rollout's otherwise."""
         self._prepare()
-        if self._reference is not None:
+        if self._exact:
             kernels = [SDPBackend.MATH]
         else:
             name = self.attention_backend if torch.is_grad_enabled() else self.rollout_attention_backend
@@ -136,9 +137,9 @@ class Kernels:
         return stack
 
     def text_inputs(self, *tensors):
-        """The text features as the transformer takes them: as encoded, or fp32 in the fp32 reference, where no
+        """The text features as the transformer takes them: as encoded, or fp32 in the fp32 exact mode, where no
         autocast casts the (bf16) encoders' output for the fp32 layers."""
-        return tuple(t.float() for t in tensors) if self._reference else tensors
+        return tuple(t.float() for t in tensors) if self._exact_fp32 else tensors
 
     def _prepare(self):
         """At the first call, after LoRA, DDP or FSDP2 have wrapped the transformer: compile its repeated blocks if
@@ -159,35 +160,35 @@ class Kernels:
             p.dtype == torch.float32 for p in self.transformer.parameters())
 
     def check_gradient(self, loss_fn, params, **tolerances) -> "GradientCheck":
-        """`check_gradient` against these kernels' references: the math kernel at the run's precision, and fp32
+        """`check_gradient` against the exact kernels: the math kernel at the run's precision, and in fp32
         too where the run computes in bf16 on fp32 weights."""
         fp32 = self.dtype != torch.float32 and self.fp32_weights()
-        return check_gradient(loss_fn, params, lambda: self.reference_mode(fp32=False),
-                              (lambda: self.reference_mode(fp32=True)) if fp32 else None, **tolerances)
+        return check_gradient(loss_fn, params, lambda: self.exact_mode(fp32=False),
+                              (lambda: self.exact_mode(fp32=True)) if fp32 else None, **tolerances)
 
     @contextlib.contextmanager
-    def reference_mode(self, fp32: bool = True):
-        """`check_gradient`'s reference: the math SDPA kernel in every phase, eager (no compiled blocks), and, with
-        `fp32` and fp32 weights, autocast off. Where the weights are bf16 (a LoRA's frozen base) or FSDP2 casts them,
-        the reference keeps the run's precision and differs from it in the attention kernel alone."""
-        saved = self._reference
-        self._reference = fp32 and self.fp32_weights()
+    def exact_mode(self, fp32: bool = True):
+        """What `check_gradient` compares the run against: the math SDPA kernel in every phase, eager (no compiled
+        blocks), and, with `fp32` and fp32 weights, autocast off. Where the weights are bf16 (a LoRA's frozen base) or
+        FSDP2 casts them, exact mode keeps the run's precision and differs from it in the attention kernel alone."""
+        saved = self._exact, self._exact_fp32
+        self._exact, self._exact_fp32 = True, fp32 and self.fp32_weights()
         try:
             with torch.compiler.set_stance("force_eager"):
                 yield
         finally:
-            self._reference = saved
+            self._exact, self._exact_fp32 = saved
 
 
 # --- the gradient self-check -------------------------------------------------------------------------------------
 @dataclass
 class GradientCheck:
-    """The run's gradient g against the reference g_ref: the math SDPA kernel at the run's precision, eager."""
+    """The run's gradient g against the exact one g_ex: the math SDPA kernel at the run's precision, eager."""
 
-    cosine: float  # <g, g_ref> / (|g| |g_ref|)
-    relative_error: float  # |g - g_ref| / |g_ref|
+    cosine: float  # <g, g_ex> / (|g| |g_ex|)
+    relative_error: float  # |g - g_ex| / |g_ex|
     norm: float  # |g|
-    reference_norm: float  # |g_ref|
+    exact_norm: float  # |g_ex|
     fp32_cosine: float  # cosine of g against the math kernel in fp32; nan where not computed
     ok: bool
     message: str  # one line: the figures, and when not ok the cause and the fix (the caller says passed / failed)
@@ -209,32 +210,32 @@ def _gradients(loss_fn, params):
     return grads
 
 
-def _compare(grads, reference, sharded):
-    """(cosine, relative error, |g|, |g_ref|), summed over ranks where the gradients are FSDP2 shards (DDP's are
+def _compare(grads, exact, sharded):
+    """(cosine, relative error, |g|, |g_ex|), summed over ranks where the gradients are FSDP2 shards (DDP's are
     already the same on every rank)."""
-    sums = torch.stack([sum((g.double() * r.double()).sum() for g, r in zip(grads, reference)),
+    sums = torch.stack([sum((g.double() * r.double()).sum() for g, r in zip(grads, exact)),
                         sum(g.double().square().sum() for g in grads),
-                        sum(r.double().square().sum() for r in reference),
-                        sum((g.double() - r.double()).square().sum() for g, r in zip(grads, reference))])
+                        sum(r.double().square().sum() for r in exact),
+                        sum((g.double() - r.double()).square().sum() for g, r in zip(grads, exact))])
     if sharded:
         dist.all_reduce(sums)
-    dot, norm2, ref2, diff2 = sums.tolist()
-    cosine = dot / math.sqrt(norm2 * ref2) if norm2 > 0 and ref2 > 0 else float("nan")
-    return cosine, math.sqrt(diff2 / ref2) if ref2 > 0 else float("nan"), math.sqrt(norm2), math.sqrt(ref2)
+    dot, norm2, exact2, diff2 = sums.tolist()
+    cosine = dot / math.sqrt(norm2 * exact2) if norm2 > 0 and exact2 > 0 else float("nan")
+    return cosine, math.sqrt(diff2 / exact2) if exact2 > 0 else float("nan"), math.sqrt(norm2), math.sqrt(exact2)
 
 
-def check_gradient(loss_fn, params, reference, fp32_reference=None, *, min_cosine: float = 0.99,
+def check_gradient(loss_fn, params, exact, exact_fp32=None, *, min_cosine: float = 0.99,
                    max_relative_error: float = 0.1, min_fp32_cosine: float = 0.8,
                    max_numel: int = 2**28) -> GradientCheck:
     """Whether the run computes the right gradient: `loss_fn`'s gradient under the run's kernels and precision
-    against the same gradient under `reference`, and (if given) under `fp32_reference`.
+    against the same gradient under `exact`, and (if given) under `exact_fp32`.
 
     loss_fn:         () -> a scalar loss through the run's own code path (the update's loss on one rollout sample);
                      it must draw no random numbers, as it is called two or three times.
-    reference:       () -> context manager: the math SDPA kernel at the run's precision, eager
-                     (`Kernels.reference_mode(fp32=False)`). This is the gate: only the kernel differs, so the
+    exact:           () -> context manager: the math SDPA kernel at the run's precision, eager
+                     (`Kernels.exact_mode(fp32=False)`). This is the gate: only the kernel differs, so the
                      gradients agree to rounding (measured on CPU in bf16: cosine 0.99999, relative error 4e-3).
-    fp32_reference:  () -> the math kernel in fp32 (`Kernels.reference_mode()`), where the weights allow it.
+    exact_fp32:      () -> the math kernel in fp32 (`Kernels.exact_mode()`), where the weights allow it.
                      Loosely gated: bf16 rounding of the velocity alone moves the log-prob's gradient (it is
                      driven by x' - mean(v), a small difference of large numbers) to a cosine near 0.96.
     max_numel:       parameters are taken in order until this many (local) elements: the copies stay under 1 GiB.
@@ -250,31 +251,30 @@ def check_gradient(loss_fn, params, reference, fp32_reference=None, *, min_cosin
         total += _local(p).numel()
     sharded = dist.is_initialized() and any(hasattr(p, "to_local") for p in chosen)
     grads = _gradients(loss_fn, chosen)
-    with reference():
-        reference_grads = _gradients(loss_fn, chosen)
-    cosine, relative_error, norm, reference_norm = _compare(grads, reference_grads, sharded)
+    with exact():
+        exact_grads = _gradients(loss_fn, chosen)
+    cosine, relative_error, norm, exact_norm = _compare(grads, exact_grads, sharded)
     fp32_cosine, fp32_norm = float("nan"), float("nan")
-    if fp32_reference is not None:
-        with fp32_reference():
+    if exact_fp32 is not None:
+        with exact_fp32():
             fp32_cosine, _, _, fp32_norm = _compare(grads, _gradients(loss_fn, chosen), sharded)
     kernel_ok = math.isfinite(norm) and cosine >= min_cosine and relative_error <= max_relative_error
-    fp32_ok = fp32_reference is None or fp32_cosine >= min_fp32_cosine
+    fp32_ok = exact_fp32 is None or fp32_cosine >= min_fp32_cosine
     figures = (f"cosine {cosine:.5f}, relative error {relative_error:.3g}, |g| {norm:.4g} against the math attention "
-               f"kernel's {reference_norm:.4g}" + (f", cosine {fp32_cosine:.3f} against fp32" if fp32_reference else "")
+               f"kernel's {exact_norm:.4g}" + (f", cosine {fp32_cosine:.3f} against fp32" if exact_fp32 else "")
                + f", over {total:,} gradient elements")
     if kernel_ok and fp32_ok:
-        return GradientCheck(cosine, relative_error, norm, reference_norm, fp32_cosine, True,
-                             figures)
-    if not (math.isfinite(reference_norm) and reference_norm > 0):
+        return GradientCheck(cosine, relative_error, norm, exact_norm, fp32_cosine, True, figures)
+    if not (math.isfinite(exact_norm) and exact_norm > 0):
         cause, fix = (("bf16 precision (the math kernel in bf16 is not finite, in fp32 it is)", "--mixed-precision no")
                       if math.isfinite(fp32_norm) and fp32_norm > 0 else
-                      ("the loss or its inputs (the reference gradient is zero or not finite too)",
+                      ("the loss or its inputs (the exact gradient is zero or not finite too)",
                        "check the first iteration's rewards and advantages"))
     elif not kernel_ok:
         cause, fix = "the attention kernel (the math kernel gives another gradient)", "--attention-backend math"
     else:
         cause, fix = "bf16 precision (the gradient is far from fp32's)", "--mixed-precision no"
-    return GradientCheck(cosine, relative_error, norm, reference_norm, fp32_cosine, False,
+    return GradientCheck(cosine, relative_error, norm, exact_norm, fp32_cosine, False,
                          f"{figures}; cause: {cause}; fix: {fix}")
 
 

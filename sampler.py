@@ -10,7 +10,7 @@ G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   3. singular stochastic sampling: at each k in the SDE step set M, member i takes ONE SDE step from anchor[k],
      giving x_{k+1}^i and its log-probability;
   4. multi-granularity completion: from x_{k+1}^i, an ODE on `granular_schedule(sigmas, k, g)` for each g in Lambda.
-`rollout_g2rpo_reference` is that procedure written loop for loop at batch 1, for reading; `rollout_g2rpo` computes
+`rollout_g2rpo_paper` is that procedure written loop for loop at batch 1, for reading; `rollout_g2rpo` computes
 the same latents with shared and batched forwards (tests/test_method.py checks they agree).
 The baselines sample G whole trajectories per prompt instead: `rollout_full_sde` (DanceGRPO, Flow-GRPO), and
 `rollout_mixed` with SDE steps only in a window (MixGRPO, Flow-GRPO-Fast). The SDE step has the peers' three forms
@@ -107,18 +107,18 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, s
 KL_FORMS = ("exact", "flow-grpo")
 
 
-def sde_kl(velocity, reference_velocity, sigmas, i, eta, sde_type="flow", kl_form="exact"):
-    """KL(policy step || reference step) at step i, per sample, averaged over elements like the log-prob: (batch,).
+def sde_kl(velocity, base_velocity, sigmas, i, eta, sde_type="flow", kl_form="exact"):
+    """KL(policy step || base model step) at step i, per sample, averaged over elements like the log-prob: (batch,).
 
     Both steps are Gaussians with the same std, and their means differ only through the velocity:
-    mean - mean_ref = (v - v_ref) * c, with c the velocity's coefficient in the mean (`sde_mean_std`).
-        exact:     KL = |mean - mean_ref|^2 / (2 std^2)        the step's Gaussian KL, std = std_dev sqrt(-dt)
-        flow-grpo: KL = |mean - mean_ref|^2 / (2 std_dev^2)    Flow-GRPO's kl_loss: no -dt, so exact * (-dt)
+    mean - mean_base = (v - v_base) * c, with c the velocity's coefficient in the mean (`sde_mean_std`).
+        exact:     KL = |mean - mean_base|^2 / (2 std^2)        the step's Gaussian KL, std = std_dev sqrt(-dt)
+        flow-grpo: KL = |mean - mean_base|^2 / (2 std_dev^2)    Flow-GRPO's kl_loss: no -dt, so exact * (-dt)
     cps has no std_dev apart from its std: both forms divide by 2 std^2 there.
     """
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma
-    gap = velocity.float() - reference_velocity.float()
+    gap = velocity.float() - base_velocity.float()
     if sde_type == "cps":
         std = sigma_next * math.sin(eta * math.pi / 2)
         # c = -(1 - sigma') sigma + sqrt(sigma'^2 - std^2) (1 - sigma): v's coefficient in the CPS mean
@@ -203,7 +203,7 @@ def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
 # The G2RPO rollout as the paper states it: one prompt at a time, one member at a time, batch-1 forwards.
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo_reference(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta,
+def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta,
                             sde_type="flow"):
     """The paper's procedure loop for loop (and the reference code's cost: the SDE-step forward is recomputed for
     every member, every completion runs on its own). Same arguments, same noise and same `Rollout` as

@@ -47,7 +47,7 @@ from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, 
 # ---------------------------------------------------------------------------------------------------------------
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
-def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first_update_check=None):
+def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, first_update_check=None):
     """One G2RPO iteration on this rank's prompts; returns its metrics (floats)."""
     t0 = time.time()
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
@@ -64,18 +64,19 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
 
     # 2. rollout with the current policy, no gradients
     steps = trained_steps(args, it)
-    rollout = roll_out(args, make_velocity_fn(args, policy, policy.transformer, cond), noise, sigmas, gens, steps)
+    rollout = sample_rollout(args, make_velocity_fn(args, policy, policy.transformer, cond), noise, sigmas, gens, steps)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
     J, K = rollout.final_latents.shape[1:3]
-    scores = score(args, policy, rollout.final_latents.flatten(0, 3), [p for p in batch for _ in range(J * K * G)])
+    scores = score(args, policy.adapter, reward_models, rollout.final_latents.flatten(0, 3),
+                   [p for p in batch for _ in range(J * K * G)])
     scores = scores.view(B, J, K, G, -1)  # (B, J, K, G, R)
-    metrics = reward_metrics(args, policy, rollout, scores, batch)
+    metrics = reward_metrics(args, policy.adapter, reward_models, rollout, scores, batch)
     t2 = time.time()
 
     # 4. advantages: normalised per (reward, granularity, step) within each group, summed, clamped
-    weights = torch.tensor(list(policy.reward_weights.values()))  # (R,)
+    weights = torch.tensor(list(reward_models.weights.values()))  # (R,)
     if args.reward_fusion == "score":  # Flow-GRPO: the weighted sum of the raw scores is the one reward
         scores, weights = (scores * weights).sum(-1, keepdim=True), torch.ones(1)  # (B, J, K, G, 1)
     every_rank = all_gather(scores, distributed) if args.adv_std == "global" else None  # (world*B, J, K, G, R)
@@ -96,7 +97,7 @@ def iteration(args, it, policy, prompts, sigmas, rank, world, distributed, first
                              advantages, sigmas, eta=args.eta, clip_range=args.clip_range,
                              max_grad_norm=args.max_grad_norm, step_per_sde_step=args.step_per_sde_step,
                              max_batch=args.max_batch, kl_beta=args.kl_beta,
-                             reference_velocity_fn=reference_velocity_fn(args, policy, cond),
+                             base_velocity_fn=base_velocity_fn(args, policy, cond),
                              sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
                              member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed),
                              all_sum=lambda n: all_sum(n, distributed), world=world)
@@ -134,17 +135,17 @@ def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
 
 
 @torch.no_grad()
-def score(args, policy, latents, prompts):
-    """Decode latents (M, ...) in micro-batches and score them with every reward: (M, R)."""
+def score(args, adapter, reward_models, latents, prompts):
+    """Decode latents (M, ...) in micro-batches and score them with every reward model: (M, R)."""
     scores = []
     for i in range(0, latents.shape[0], args.reward_batch_size):
-        images = policy.adapter.decode(latents[i : i + args.reward_batch_size], args.resolution)
+        images = adapter.decode(latents[i : i + args.reward_batch_size], args.resolution)
         batch = prompts[i : i + args.reward_batch_size]
-        scores.append(torch.stack([fn(images, batch).cpu() for fn in policy.reward_fns.values()], -1))
+        scores.append(torch.stack([fn(images, batch).cpu() for fn in reward_models.fns.values()], -1))
     return torch.cat(scores)  # (M, R)
 
 
-def roll_out(args, velocity_fn, noise, sigmas, generators, steps):
+def sample_rollout(args, velocity_fn, noise, sigmas, generators, steps):
     """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window)."""
     if args.sampling == "g2rpo":
         return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps,
@@ -163,17 +164,17 @@ def trained_steps(args, it):
                         every=args.window_every, schedule=args.window_schedule, end=args.window_end, seed=args.seed)
 
 
-def reward_metrics(args, policy, rollout, scores, batch):
+def reward_metrics(args, adapter, reward_models, rollout, scores, batch):
     """Mean raw reward per model (and per granularity), and the anchor's reward (logged, not trained on)."""
     metrics = {}
-    for r, name in enumerate(policy.reward_fns):
+    for r, name in enumerate(reward_models.fns):
         metrics[f"train/reward/{name}"] = float(scores[..., r].mean())
         for j, g in enumerate(args.granularities if args.sampling == "g2rpo" else []):
             metrics[f"train/reward/{name}/g{g}"] = float(scores[:, j, ..., r].mean())
     if rollout.anchor_final is not None:
-        anchor = score(args, policy, rollout.anchor_final, batch)  # (B, R)
+        anchor = score(args, adapter, reward_models, rollout.anchor_final, batch)  # (B, R)
         metrics.update({f"train/anchor_reward/{name}": float(anchor[:, r].mean())
-                        for r, name in enumerate(policy.reward_fns)})
+                        for r, name in enumerate(reward_models.fns)})
     return metrics
 
 
@@ -187,7 +188,7 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
 
 
 @torch.no_grad()
-def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds=None):
+def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
     with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
     of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
@@ -199,8 +200,8 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
     # every reward's score, and the strict pass of those that have one (the tiny world's success rate)
-    fns = {**{f"reward/{name}": fn for name, fn in policy.reward_fns.items()},
-           **{f"success/{name}": fn for name, fn in rewards.success_fns(policy.reward_fns).items()}}
+    fns = {**{f"reward/{name}": fn for name, fn in reward_models.fns.items()},
+           **{f"success/{name}": fn for name, fn in rewards.success_fns(reward_models.fns).items()}}
     per_seed = torch.zeros(len(fns), seeds, 3, dtype=torch.float64)  # (R, seeds, (sum, count, sum of squares))
     grid = []
     if policy.ema is not None:
@@ -243,17 +244,18 @@ def evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds
 # ---------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------
-def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, distributed):
+def train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed):
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest
-    evaluate_ = lambda seeds=None: evaluate(args, policy, eval_prompts, sigmas, rank, world, distributed, seeds)
+    held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
+                                                distributed, seeds)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
                                                                          args.eval_seeds)]
     if start == 0:
-        before, images = evaluate_(args.final_eval_seeds)
+        before, images = held_out(args.final_eval_seeds)
         run.save_grid(images, 0, shown, captions)
         run.write_metrics(0, before)
     else:
@@ -261,15 +263,16 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
     check = gradient_check(args, policy, sigmas, run.log)  # on this process's first update
     bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations, disable=not run.master,
                dynamic_ncols=True)
-    metrics, first_reward = {}, f"train/reward/{next(iter(policy.reward_fns))}"
+    metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
     for it in bar:
-        metrics = all_mean(iteration(args, it, policy, prompts, sigmas, rank, world, distributed, check), distributed)
+        metrics = all_mean(iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, check),
+                           distributed)
         if not metrics["faults/nonfinite_rewards"]:
             check = None  # it ran with this iteration's update
         faulty = run.count_faults(metrics)
         done = it + 1
         if done % args.eval_every == 0 or done == args.num_iterations:
-            eval_metrics, images = evaluate_(args.final_eval_seeds if done == args.num_iterations else None)
+            eval_metrics, images = held_out(args.final_eval_seeds if done == args.num_iterations else None)
             metrics.update(eval_metrics)
             run.save_grid(images, done, shown, captions)
         run.write_metrics(done, metrics)
@@ -292,7 +295,7 @@ def train(args, config, policy, run, prompts, eval_prompts, start, rank, world, 
     if distributed:
         run.check_ranks_agree(policy.params)
     if run.master and before and metrics:
-        run.summary(before, metrics, policy.reward_fns)
+        run.summary(before, metrics, reward_models.fns)
         if args.model == "tiny" and "eval/success/shapes" in metrics:  # where the quick start stands
             import tiny
 
@@ -319,23 +322,31 @@ def gradient_check(args, policy, sigmas, log):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Models: the trained transformer (LoRA or full, DDP or FSDP2), its optimizer, the reward models
+# Models: the policy (the trained transformer, LoRA or full, DDP or FSDP2, and its optimizer), the reward models
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Policy:
+    """What training changes, and what it needs to: the transformer behind its adapter, its optimizer, the EMA."""
+
     adapter: object  # models.Adapter: encode, noise, velocity, decode
     transformer: torch.nn.Module  # the diffusers module (sharded in place under FSDP2)
     model: torch.nn.Module  # what the update calls: DDP-wrapped for LoRA, else the transformer
     params: list
     optimizer: torch.optim.Optimizer
-    reward_fns: dict
-    reward_weights: dict
-    reference: torch.nn.Module | None = None  # frozen base for the KL term of a full fine-tune
+    kl_base: torch.nn.Module | None = None  # the KL term's frozen base model, in a full fine-tune
     ema: EMA | None = None
 
 
-def build_policy(args, device, dtype, reward_weights, distributed, log) -> Policy:
-    """Load the pipeline and the reward models, then make the trained policy of them (`make_policy`)."""
+@dataclass
+class RewardModels:
+    """What scores the policy's images: each reward by name, fn(images, prompts) -> (N,), and its --rewards weight."""
+
+    fns: dict
+    weights: dict
+
+
+def build_policy(args, device, dtype, distributed, log) -> Policy:
+    """Load the pipeline and make the trained policy of it (`make_policy`)."""
     torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
     model_path = args.model_path
     if args.model == "tiny":
@@ -352,33 +363,35 @@ def build_policy(args, device, dtype, reward_weights, distributed, log) -> Polic
             num_frames=args.num_frames)
     except ModelLoadError as err:
         fail(str(err))
-    policy = make_policy(args, adapter, reward_weights, device, dtype, distributed)
+    return make_policy(args, adapter, device, dtype, distributed)
+
+
+def load_reward_models(args, device, dtype, weights) -> RewardModels:
+    """Every reward model of --rewards (rewards.py), by name, with its weight."""
     try:
-        policy.reward_fns.update({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
-                                                            frames_every=args.reward_frames)
-                                  for name in reward_weights})
+        return RewardModels({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
+                                                       frames_every=args.reward_frames) for name in weights}, weights)
     except rewards.RewardError as err:
         fail(str(err))
-    return policy
 
 
-def make_policy(args, adapter, reward_weights, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
-    """The trained part around a loaded adapter: full weights or LoRA, the KL reference, gradient checkpointing,
-    DDP (LoRA) or FSDP2 (full) across ranks, AdamW and the EMA. The reward models are added by the caller
-    (`reward_fns`). `foreach` and `mesh` are tools/plan.py's, and train.py passes neither: the planner builds a CUDA
-    run on the CPU, so it asks for the multi-tensor AdamW that torch picks on CUDA (foreach=True), and it makes its
-    fake ranks' device mesh before entering fake-tensor mode, where FSDP2 could not make the default one."""
+def make_policy(args, adapter, device, dtype, distributed, foreach=None, mesh=None) -> Policy:
+    """The trained part around a loaded adapter: full weights or LoRA, the KL's base model, gradient checkpointing,
+    DDP (LoRA) or FSDP2 (full) across ranks, AdamW and the EMA. `foreach` and `mesh` are tools/plan.py's, and
+    train.py passes neither: the planner builds a CUDA run on the CPU, so it asks for the multi-tensor AdamW that
+    torch picks on CUDA (foreach=True), and it makes its fake ranks' device mesh before entering fake-tensor mode,
+    where FSDP2 could not make the default one."""
     transformer = adapter.transformer
     if args.full:
         transformer.requires_grad_(True)
     else:
         add_lora(transformer, args.lora_rank, args.lora_alpha_applied, args.lora_feed_forward,
                  adapter.lora_targets)
-    reference = None
+    kl_base = None
     if args.full and args.kl_beta > 0:  # the base model of the KL term: a frozen copy of the starting weights
         import copy
 
-        reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        kl_base = copy.deepcopy(transformer).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     model = transformer
@@ -387,7 +400,7 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
 
         model = DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
     elif distributed:
-        for module in [transformer] + ([reference] if reference is not None else []):
+        for module in [transformer] + ([kl_base] if kl_base is not None else []):
             _shard(module, dtype, device, mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
@@ -396,7 +409,7 @@ def make_policy(args, adapter, reward_weights, device, dtype, distributed, forea
     if args.ema_decay > 0:
         trained = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
         ema = EMA(trained, args.ema_decay, args.ema_every)
-    return Policy(adapter, transformer, model, params, optimizer, {}, reward_weights, reference, ema)
+    return Policy(adapter, transformer, model, params, optimizer, kl_base, ema)
 
 
 def _shard(module, dtype, device, mesh=None):
@@ -417,12 +430,12 @@ def make_velocity_fn(args, policy, module, cond):
     return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.resolution)
 
 
-def reference_velocity_fn(args, policy, cond):
+def base_velocity_fn(args, policy, cond):
     """The base model's velocity for the KL term: LoRA with its adapter off, or the frozen copy; None without KL."""
     if args.kl_beta == 0:
         return None
-    if policy.reference is not None:
-        return make_velocity_fn(args, policy, policy.reference, cond)
+    if policy.kl_base is not None:
+        return make_velocity_fn(args, policy, policy.kl_base, cond)
 
     def base_velocity(x, sigma, idx):
         policy.transformer.disable_adapters()
@@ -464,7 +477,8 @@ def main(args):
                 log(f"{resume_from} is already at iteration {start} of --num-iterations {args.num_iterations}: "
                     f"the run is complete; pass a larger --num-iterations to extend it")
                 return
-        policy = build_policy(args, device, dtype, reward_weights, distributed, log)
+        policy = build_policy(args, device, dtype, distributed, log)
+        reward_models = load_reward_models(args, device, dtype, reward_weights)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)
         if resume_from:
             state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, not args.full,
@@ -479,7 +493,7 @@ def main(args):
             run.begin(config, fresh=not resume_from)
         run.open_tracker(config, start)
         run.catch_signals()
-        train(args, config, policy, run, prompts, eval_prompts, start, rank, world, distributed)
+        train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed)
         if distributed:
             dist.barrier()  # leave together: a rank tearing down its process group early can abort another
     finally:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import QUICK, run_train
 from models import ADAPTERS, WanAdapter
-from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
+from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 PROMPTS = ["a red circle on the left", "two blue squares"]
 FAMILIES = ["zimage", "flux2"]
@@ -117,7 +117,7 @@ def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, wa
     gens = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
     noise = adapter.noise(gens(), 32)
     fast = rollout_g2rpo(velocity, noise, sigmas, gens(), **kw, max_batch=64)
-    paper = rollout_g2rpo_reference(velocity, noise, sigmas, gens(), **kw)
+    paper = rollout_g2rpo_paper(velocity, noise, sigmas, gens(), **kw)
     torch.testing.assert_close(fast.final_latents, paper.final_latents, atol=1e-4, rtol=1e-4)
     assert fast.nfe < paper.nfe
 

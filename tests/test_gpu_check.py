@@ -112,7 +112,7 @@ def test_each_phase_runs_under_its_kernels_and_the_recompute_keeps_them():
     # gradient checkpointing: the backward recomputes each block, under the forward's kernels (math here)
     adapter.transformer.enable_gradient_checkpointing()
     log.clear()
-    with adapter.kernels.reference_mode():
+    with adapter.kernels.exact_mode():
         loss_fn().backward()
     blocks = len(adapter.transformer.transformer_blocks) + len(adapter.transformer.single_transformer_blocks)
     assert len(log) == 2 * blocks and all(kernels == [SDPBackend.MATH] for _, kernels in log)
@@ -134,7 +134,7 @@ def test_gradient_check_passes_on_the_right_gradient(dtype):
 def test_gradient_check_fails_on_a_broken_kernel(checkpointing):
     adapter = make_adapter()
     adapter.transformer.set_attn_processor(BrokenKernelProcessor())
-    if checkpointing:  # the reference stays right only if the recompute keeps the math kernel
+    if checkpointing:  # exact mode stays exact only if the recompute keeps the math kernel
         adapter.transformer.enable_gradient_checkpointing()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     result = adapter.kernels.check_gradient(update_loss(adapter), params)
@@ -156,7 +156,7 @@ def test_gradient_check_bounds_the_parameters_it_copies():
     adapter = make_adapter()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     bound = params[0].numel() + params[1].numel()  # a LoRA's A and B (A's gradient is 0 while B is 0)
-    result = kernels.check_gradient(update_loss(adapter), params, adapter.kernels.reference_mode, max_numel=bound)
+    result = kernels.check_gradient(update_loss(adapter), params, adapter.kernels.exact_mode, max_numel=bound)
     assert result.ok and f"over {bound:,} gradient elements" in result.message
 
 

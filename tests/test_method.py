@@ -9,7 +9,7 @@ import torch
 
 from advantage import granular_advantages, group_normalize
 from g2rpo import clipped_loss, g2rpo_update
-from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_g2rpo_reference,
+from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_g2rpo_paper,
                      rollout_mixed, sde_kl, sde_step, sigma_schedule, window_steps)
 
 REFERENCE_SIGMAS = [1.0, .9783, .9545, .9286, .9000, .8684, .8333, .7941, .7500, .7000, .6429, .5769, .5000,
@@ -114,7 +114,7 @@ def test_rollout_nfe_at_reference_settings(granularities, nfe):
     sigmas = sigma_schedule(16, 3.0)
     out = rollout_g2rpo(counting_velocity, torch.zeros(1, 2), sigmas, generators(1), group_size=12,
                         sde_steps=list(range(8)), granularities=granularities, eta=0.7, max_batch=4096)
-    reference = rollout_g2rpo_reference(counting_velocity, torch.zeros(1, 2), sigmas, generators(1), group_size=12,
+    reference = rollout_g2rpo_paper(counting_velocity, torch.zeros(1, 2), sigmas, generators(1), group_size=12,
                                         sde_steps=list(range(8)), granularities=granularities, eta=0.7)
     assert out.nfe == nfe
     assert out.calls <= 40  # a few dozen calls, not thousands
@@ -195,13 +195,13 @@ def test_fast_rollout_equals_the_papers_loop(steps, grans, B):
     sigmas, noise = sigma_schedule(8, 3.0), torch.randn(B, 6)
     kw = dict(group_size=3, sde_steps=steps, granularities=grans, eta=0.7)
     fast = rollout_g2rpo(net, noise, sigmas, generators(B), **kw, max_batch=4)
-    plain = rollout_g2rpo_reference(net, noise, sigmas, generators(B), **kw)
+    plain = rollout_g2rpo_paper(net, noise, sigmas, generators(B), **kw)
     for name in ("latents", "next_latents", "old_log_probs", "final_latents", "anchor_final"):
         torch.testing.assert_close(getattr(fast, name), getattr(plain, name), atol=1e-5, rtol=1e-5, msg=name)
     assert fast.nfe < plain.nfe and fast.calls < plain.calls
 
 
-def test_sde_kl_equals_torch_kl_and_vanishes_at_the_reference():
+def test_sde_kl_equals_torch_kl_and_vanishes_at_the_base():
     torch.manual_seed(0)
     sigmas = sigma_schedule(8, 3.0)
     x, v, v_ref = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
@@ -317,7 +317,7 @@ def test_kl_term_zero_at_the_base_and_positive_after_an_update():
                         granularities=[1], eta=0.7)
     adv = torch.randn(1, 2, 4)
     params = list(net.parameters())
-    kw = dict(**UPDATE, kl_beta=0.5, reference_velocity_fn=base)
+    kw = dict(**UPDATE, kl_beta=0.5, base_velocity_fn=base)
     assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] == 0.0
     g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **kw)
     assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] > 0.0

@@ -84,7 +84,7 @@ def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():
     assert len(items) == 96 and len(chosen) == 48 and [p // 100 for p in chosen].count(3) == 12
     assert items[:48] == [(p, 0) for p in chosen]  # seed-major, as the grids expect
     zero = lambda x, sigma, index: torch.zeros_like(x)
-    rollout = train.roll_out(args, zero, torch.zeros(1, 4), sigma_schedule(args.num_steps, args.shift),
+    rollout = train.sample_rollout(args, zero, torch.zeros(1, 4), sigma_schedule(args.num_steps, args.shift),
                              [torch.Generator()], args.sde_steps)
     evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
     share = evaluations * len(items) * args.num_steps / (args.num_iterations * rollout.nfe)

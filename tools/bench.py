@@ -29,7 +29,7 @@ import torch
 import tyro
 
 import flags
-from sampler import rollout_g2rpo, rollout_g2rpo_reference, sigma_schedule
+from sampler import rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 
 
@@ -51,7 +51,7 @@ class Args:
     final_eval_seeds: int = 96
     """Part 3: noise seeds per held-out prompt at the budget (96: 1,152 images, a standard error <= 0.015)."""
     methods: tuple[str, ...] = ()
-    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the reference, is always run); () = all."""
+    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run); () = all."""
     extra: tuple[str, ...] = ()
     """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
     output_dir: str = "runs/bench"
@@ -71,7 +71,7 @@ def zero_rollout(a, it):
 
     prompts = a.prompts_per_iteration or 1
     noise = torch.zeros(prompts, 1) if a.same_noise else torch.zeros(prompts, a.group_size, 1)  # the cost's shape
-    return train.roll_out(dataclasses.replace(a, max_batch=10**6), zero_velocity, noise,
+    return train.sample_rollout(dataclasses.replace(a, max_batch=10**6), zero_velocity, noise,
                           sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(prompts)],
                           train.trained_steps(a, it))
 
@@ -85,7 +85,7 @@ def part1():
         sigmas, gens = sigma_schedule(16, 3.0), [torch.Generator().manual_seed(0)]
         kw = dict(group_size=12, sde_steps=list(range(8)), granularities=grans, eta=0.7)
         ours = rollout_g2rpo(zero_velocity, torch.zeros(1, 4), sigmas, gens, **kw, max_batch=4096)
-        ref = rollout_g2rpo_reference(zero_velocity, torch.zeros(1, 4), sigmas, [torch.Generator().manual_seed(0)],
+        ref = rollout_g2rpo_paper(zero_velocity, torch.zeros(1, 4), sigmas, [torch.Generator().manual_seed(0)],
                                       **kw)
         label = f"G 12, N 16, M 0..7, Lambda {set(grans)}"
         rows.append(("G2RPO reference code", label, ref.nfe, ref.calls, 8))
@@ -155,7 +155,7 @@ def part2(args):
             rollout = rollout_g2rpo(velocity, noise, sigmas, gens, **kw, max_batch=512)
             finals, nfe = rollout.final_latents, rollout.nfe
         else:
-            plain = rollout_g2rpo_reference(velocity, noise, sigmas, gens, **kw)
+            plain = rollout_g2rpo_paper(velocity, noise, sigmas, gens, **kw)
             finals, nfe = plain.final_latents, plain.nfe
         t1 = time.time()
         flat = finals.flatten(0, 3)
@@ -209,7 +209,7 @@ HEADLINE = {
     "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
     "MixGRPO": ["--method", "mixgrpo"],
 }
-REFERENCE = "G2RPO {1,2,3}"
+G2RPO_ROW = "G2RPO {1,2,3}"
 OTHER_SEEDS = 1000  # the negative control's training seeds start here
 CONTROLS = {
     "control: G2RPO on other seeds": [],  # must not be told apart (compared unpaired)
@@ -236,12 +236,12 @@ def interval(values):
     return float(x.mean()), t975(len(x) - 1) * float(x.std()) / len(x) ** 0.5
 
 
-def gap_interval(values, reference, paired):
-    """The difference of means (values - reference) and its 95 % half-width: paired on seeds (the same training
+def gap_interval(values, baseline, paired):
+    """The difference of means (values - baseline) and its 95 % half-width: paired on seeds (the same training
     seed gives both runs the same prompts and noise), or Welch's for independent samples."""
     if paired:
-        return interval([v - r for v, r in zip(values, reference)])
-    x, y = torch.tensor(values, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+        return interval([v - r for v, r in zip(values, baseline)])
+    x, y = torch.tensor(values, dtype=torch.float64), torch.tensor(baseline, dtype=torch.float64)
     if min(len(x), len(y)) < 2:
         return float(x.mean() - y.mean()), float("nan")
     vx, vy = float(x.var()) / len(x), float(y.var()) / len(y)
@@ -256,7 +256,7 @@ def part3(args):
             "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
             "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
     runs, started = [], time.time()
-    chosen = {name: f for name, f in METHODS.items() if not args.methods or name in (REFERENCE, *args.methods)}
+    chosen = {name: f for name, f in METHODS.items() if not args.methods or name in (G2RPO_ROW, *args.methods)}
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
@@ -292,7 +292,7 @@ def report(curves, args):
     0. The interval's half-width is the smallest gap this run could tell apart. The controls' verdicts follow, for
     the success rate and for the reward (the score training maximises)."""
     final = {name: [run[-1] for run in runs] for name, runs in curves.items()}  # (nfe, wall, success, reward, se)
-    reference = final[REFERENCE]
+    g2rpo = final[G2RPO_ROW]
     print("| method | success (95 % CI) | gap to G2RPO {1,2,3} | told apart | reward (95 % CI) | reward gap | "
           "told apart | eval s.e. | NFE spent | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -303,18 +303,18 @@ def report(curves, args):
         row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
                "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points),
                "nfe": sum(p[0] for p in points) / len(points)}
-        if name != REFERENCE:
-            row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in reference], paired)
-            row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in reference], paired)
+        if name != G2RPO_ROW:
+            row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in g2rpo], paired)
+            row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in g2rpo], paired)
             row["told_apart"] = abs(row["gap"][0]) > row["gap"][1]  # False when the interval is nan
             row["reward_told_apart"] = abs(row["reward_gap"][0]) > row["reward_gap"][1]
         table[name] = row
-        cells = ["-"] * 4 if name == REFERENCE else [
+        cells = ["-"] * 4 if name == G2RPO_ROW else [
             ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f"),
             "yes" if row["reward_told_apart"] else "no"]
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
               f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
-    start = curves[REFERENCE][0][0]
+    start = curves[G2RPO_ROW][0][0]
     print(f"\nEvery method starts at a held-out success rate of {start[2]:.3f} and a reward of {start[3]:.4f}. A "
           f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds "
           f"control): the smallest gap this run could tell apart. The verdicts (success rate; reward):")

@@ -258,7 +258,7 @@ def case_gradient(scale: Scale, case: dict) -> dict:
     stats = g2rpo_update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages, sigmas,
                          eta=ETA, clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
     return dict(ok=check.ok and stats["skipped_steps"] == 0, message=check.message, cosine=check.cosine,
-                relative_error=check.relative_error, norm=check.norm, reference_norm=check.reference_norm,
+                relative_error=check.relative_error, norm=check.norm, exact_norm=check.exact_norm,
                 check_s=seconds, update_grad_norm=stats["grad_norm"], skipped_steps=stats["skipped_steps"],
                 peak_gib=peak_gib())
 
@@ -477,7 +477,7 @@ def report(result: dict):
         print(f"| gradient at {result['resolution']}² | cosine | relative error | norm | math kernel's norm | "
               f"update skipped steps | peak GiB | ok |\n|---|---|---|---|---|---|---|---|")
         print(f"| LoRA {result['resolution']}² | {result['cosine']:.5f} | {_num(result['relative_error'])} | "
-              f"{_num(result['norm'])} | {_num(result['reference_norm'])} | {result['skipped_steps']} | "
+              f"{_num(result['norm'])} | {_num(result['exact_norm'])} | {result['skipped_steps']} | "
               f"{_num(result['peak_gib'])} | {result['ok']} |\n\n"
               f"gradient check {'passed' if result['ok'] else 'failed'}: {result['message']}")
     elif kind == "iteration":

@@ -10,9 +10,9 @@ the same functions train.py calls, phase by phase, for one rank:
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
-                  configured; the KL reference where --kl-beta) and g2rpo.optimizer_step (AdamW multi-tensor, as on
+                  configured; the KL's base model where --kl-beta) and g2rpo.optimizer_step (AdamW multi-tensor, as on
                   CUDA, with its state; the EMA where --ema-decay), with the rollout kept for it;
-  5. evaluation   train.evaluate's micro-batch: encode, sample (its transformer call) and decode + score;
+  5. evaluation   train.held_out_eval's micro-batch: encode, sample (its transformer call) and decode + score;
 and what stays resident throughout: the weights, the trained weights' optimizer state, the EMA, the conditioning.
 
 How it counts:
@@ -430,7 +430,7 @@ def _plan(args, fake, log, mesh=None):
     started = time.time()
     torch.manual_seed(args.seed)
 
-    # --- the models, as train.build_policy makes them -----------------------------------------------------------
+    # --- the models, as train.build_policy and train.load_reward_models make them ---------------------------------
     pipe = build_pipeline(args, folder, dtype, torch.float32 if full else dtype, fake_mode)
     pipe.set_progress_bar_config(disable=True)
     adapter = ADAPTERS[args.model](
@@ -438,12 +438,11 @@ def _plan(args, fake, log, mesh=None):
         offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
         rollout_attention_backend=args.rollout_attention_backend)
     with fake_mode or contextlib.nullcontext():  # LoRA weights and the KL copy as fake tensors too
-        policy = train.make_policy(args, adapter, {}, device, dtype, distributed=mesh is not None, foreach=True,
+        policy = train.make_policy(args, adapter, device, dtype, distributed=mesh is not None, foreach=True,
                                    mesh=mesh)
     fsdp = (policy.transformer, policy.optimizer) if mesh is not None else None
     reward_fns, reward_modules, skipped = build_rewards(list(rewards.parse_rewards(args.rewards)), device,
                                                         dtype, args.reward_batch_size, fake_mode)
-    policy.reward_fns.update(reward_fns)
     log(f"built the models from {os.path.relpath(folder, ROOT) if args.model != 'tiny' else 'tiny.py'} "
         f"({time.time() - started:.0f} s)")
     # AdamW's state exists from the first step on: create it (zero gradients, one step) so every phase counts it
@@ -453,7 +452,7 @@ def _plan(args, fake, log, mesh=None):
         policy.optimizer.step()
         policy.optimizer.zero_grad(set_to_none=True)
     encoders = [m for m in adapter.frozen_modules() if m is not pipe.vae]
-    on_device = [policy.transformer, pipe.vae, *reward_modules] + ([policy.reference] if policy.reference else [])
+    on_device = [policy.transformer, pipe.vae, *reward_modules] + ([policy.kl_base] if policy.kl_base else [])
     resident = [*on_device, *([] if args.offload_text_encoders else encoders), policy.optimizer,
                 *(policy.ema.shadow if policy.ema else [])]
 
@@ -503,7 +502,7 @@ def _plan(args, fake, log, mesh=None):
         n = min(args.reward_batch_size, final.shape[0])
         batch = _fake_copy(final[:n], fake_mode)
         reward = measure(lambda: [fn(adapter.decode(batch, args.resolution), prompts[:1] * n)
-                                  for fn in policy.reward_fns.values()], resident_cond + rollout_tensors, fsdp)
+                                  for fn in reward_fns.values()], resident_cond + rollout_tensors, fsdp)
         scored = final.shape[0] + (B if rollout.anchor_final is not None else 0)
         rows.append(Row(f"decode + reward, batch {n}", reward, math.ceil(scored / n)))
         log(f"decode and rewards simulated ({time.time() - started:.0f} s)")
@@ -512,12 +511,12 @@ def _plan(args, fake, log, mesh=None):
         fake_rollout = type(rollout)(*rollout_tensors, None, rollout.sde_steps, rollout.nfe, rollout.calls)
         advantages = torch.zeros(B, args.group_size)  # (B, G): values do not change the cost
         update_velocity = train.make_velocity_fn(args, policy, policy.model, cond)
-        reference = train.reference_velocity_fn(args, policy, cond)
+        base = train.base_velocity_fn(args, policy, cond)
 
         def update():
             step_loss_backward(update_velocity, fake_rollout, advantages, sigmas, 0, eta=args.eta,
                                clip_range=args.clip_range, loss_scale=1.0, max_batch=args.max_batch,
-                               kl_beta=args.kl_beta, reference_velocity_fn=reference)
+                               kl_beta=args.kl_beta, base_velocity_fn=base)
             optimizer_step(policy.params, policy.optimizer, args.max_grad_norm)
             if policy.ema is not None:
                 policy.ema.update(0)
@@ -530,7 +529,7 @@ def _plan(args, fake, log, mesh=None):
                         update_cost, len(steps)))
         log(f"update simulated ({time.time() - started:.0f} s)")
 
-        # 5. evaluation, one micro-batch of train.evaluate: encode, sample, decode + score
+        # 5. evaluation, one micro-batch of train.held_out_eval: encode, sample, decode + score
         items = train.eval_items(args_eval_prompt_count(args), args.eval_prompts, args.eval_seeds)
         per_rank = -(-len(items) // world)
         eval_batch = min(args.max_batch, per_rank)
@@ -609,7 +608,7 @@ def rollout_storage(args, noise, sigmas, generators, steps):
 
     tracker.track_external(noise)
     with tracker:
-        rollout = train.roll_out(args, zero_velocity, noise, sigmas, generators, steps)
+        rollout = train.sample_rollout(args, zero_velocity, noise, sigmas, generators, steps)
     return {"rollout": rollout}, calls
 
 
