@@ -102,12 +102,26 @@ class NoSpaceError(OSError):
     """A checkpoint could not be written for lack of space; what it had written was removed."""
 
 
-def _no_space(err) -> bool:
+FULL_BYTES = 16 << 20  # a filesystem with less than this free for the user counts as full when a write fails
+
+
+def _no_space(err, folder) -> bool:
+    """Whether `err`, raised while writing into `folder`, means the disk (or a quota, or the file-size limit) is
+    full. safetensors and DCP report the OS error inside their own exception, by its message; torch.save's zip
+    writer reports no error at all, only "unexpected pos" (measured on a full tmpfs), so the filesystem is asked."""
     import errno
 
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return False
     codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    # safetensors and DCP report an OS error inside their own exception, by its message
-    return getattr(err, "errno", None) in codes or any(os.strerror(code) in str(err) for code in codes)
+    if getattr(err, "errno", None) in codes or any(os.strerror(code) in str(err) for code in codes):
+        return True
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return shutil.disk_usage(folder or ".").free < FULL_BYTES
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -117,7 +131,7 @@ def _removed_if_full(tmp, iteration):
     try:
         yield
     except BaseException as err:  # DCP wraps a rank's OSError in a CheckpointException (a BaseException)
-        if not _no_space(err):
+        if not _no_space(err, tmp):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise NoSpaceError(f"no space left on the device (or the file-size limit) while writing checkpoint "
@@ -720,7 +734,7 @@ def export_command(path, log=print):
         shutil.rmtree(os.path.join(path, "transformer.tmp"), ignore_errors=True)
         if os.path.exists(os.path.join(path, "ema.safetensors.tmp")):
             os.remove(os.path.join(path, "ema.safetensors.tmp"))
-        reason = "no space left on the device" if isinstance(err, OSError) and _no_space(err) else \
+        reason = "no space left on the device" if _no_space(err, path) else \
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         stop(f"exporting {path} failed ({reason}); its files are as they were")
     finally:

@@ -405,6 +405,55 @@ def test_a_save_that_runs_out_of_space_removes_its_partial_files(tmp_path):
     assert checkpoint.latest_checkpoint(str(tmp_path), log=pytest.fail).endswith("iter_000001")
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real filesystem of a given size: a tmpfs mounted for the test (root only; skipped where mounting is not
+    allowed). Yields mount(size_bytes) -> its path; every mount is undone at the end."""
+    mounted = []
+
+    def mount(size):
+        target = tmp_path / f"fs{len(mounted)}"
+        target.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()})")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "--lazy", str(target)], capture_output=True)  # lazy: even if a file is open
+
+
+@pytest.mark.parametrize("fill", [0.1, 0.7])  # runs out in the safetensors file, in torch.save's trainer.pt
+def test_a_save_on_a_full_filesystem_removes_its_partial_files(tmp_path, small_tmpfs, fill):
+    """A real full disk: a tmpfs with room for one checkpoint and `fill` of a second (its 3.8 MB of weights are
+    written first, then the 7.7 MB trainer.pt). Each writer fails in its own way at the end of the disk, safetensors
+    with the OS error, torch.save's zip writer with "unexpected pos" and no error code; either way one NoSpaceError,
+    the partial iter_2.tmp is gone, and iter_1 is the newest good one."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64,
+                                   pooled_projection_dim=32, axes_dims_rope=[8, 12, 12])
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    trained = model, optimizer
+    save(tmp_path / "sizes", 1, trained, log=lambda *_: None)
+    first = tmp_path / "sizes" / "checkpoints" / "iter_000001"
+    size = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(first) for n in names)
+    out = small_tmpfs(int(size * (1 + fill)) + (64 << 10))
+    save(out, 1, trained, log=lambda *_: None)
+    with pytest.raises(checkpoint.NoSpaceError, match="no space left on the device .* checkpoint 2; its partial"):
+        save(out, 2, trained, log=lambda *_: None)
+    assert sorted(os.listdir(out / "checkpoints")) == ["iter_000001"]
+    assert checkpoint.latest_checkpoint(str(out), log=pytest.fail).endswith("iter_000001")
+
+
 HOST_MEMORY_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     import torch.distributed as dist
