@@ -6,7 +6,7 @@ runs on a laptop: every model is built from its published configuration (tools/c
 the same functions train.py calls, phase by phase, for one rank:
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
-                  rollout's own storage (train.roll_out run for real on the CPU at the real latent shape with a
+                  rollout's own storage (train.sample_rollout run for real on the CPU at the real latent shape with a
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
@@ -596,7 +596,7 @@ def args_eval_prompt_count(args):
 
 @torch.no_grad()
 def rollout_storage(args, noise, sigmas, generators, steps):
-    """Run train.roll_out for real on the CPU with a velocity of zeros: the rollout keeps what it keeps in a real
+    """Run train.sample_rollout for real on the CPU with a velocity of zeros: the rollout keeps what it keeps in a real
     run (anchor, branches, completions), at the real latent shape. Returns {"rollout": the Rollout} and, per
     transformer call, (batch, bytes the rollout holds at that call)."""
     tracker, calls = Tracker(), []
