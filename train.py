@@ -326,7 +326,8 @@ def gradient_check(args, policy, sigmas, log):
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Policy:
-    """What training changes, and what it needs to: the transformer behind its adapter, its optimizer, the EMA."""
+    """What training changes and what it changes it with: the transformer behind its adapter, its optimizer, the
+    EMA, and the KL term's frozen base model."""
 
     adapter: object  # models.Adapter: encode, noise, velocity, decode
     transformer: torch.nn.Module  # the diffusers module (sharded in place under FSDP2)
