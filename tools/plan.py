@@ -6,7 +6,7 @@ runs on a laptop: every model is built from its published configuration (tools/c
 the same functions train.py calls, phase by phase, for one rank:
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
-                  rollout's own storage (train.sample_rollout run for real on the CPU at the real latent shape with a
+                  rollout's own storage (train.sample_rollout on fake tensors at the real latent shape with a
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
@@ -381,7 +381,7 @@ class Row:
 
 
 def _fake_copy(tensor, fake_mode):
-    return fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+    return fake_mode.from_tensor(tensor) if fake_mode is not None and not isinstance(tensor, FakeTensor) else tensor
 
 
 def plan(args, fake: bool = True, log=print):
@@ -477,8 +477,8 @@ def _plan(args, fake, log, mesh=None):
         rows.append(Row(f"encode {B} prompt{'s' * (B > 1)}", encode, 1))
         resident_cond = resident + list(cond.values())
 
-        # 2. rollout: its storage for real on the CPU, one transformer call at its largest batch on the device
-        storage, calls = rollout_storage(args, noise, sigmas, generators, steps)
+        # 2. rollout: its storage on fake tensors, one transformer call at its largest batch on the device
+        storage, calls = rollout_storage(args, noise, sigmas, generators, steps, fake_mode)
         largest = max(b for b, _ in calls)
         latents = torch.zeros(largest, *noise.shape[1:])  # (n, ...) a call's input
         velocity = train.make_velocity_fn(args, policy, policy.transformer, cond)
@@ -595,17 +595,20 @@ def args_eval_prompt_count(args):
 
 
 @torch.no_grad()
-def rollout_storage(args, noise, sigmas, generators, steps):
-    """Run train.sample_rollout for real on the CPU with a velocity of zeros: the rollout keeps what it keeps in a real
-    run (anchor, branches, completions), at the real latent shape. Returns {"rollout": the Rollout} and, per
-    transformer call, (batch, bytes the rollout holds at that call)."""
+def rollout_storage(args, noise, sigmas, generators, steps, fake_mode=None):
+    """Run train.sample_rollout with a velocity of zeros from `noise` made fake under `fake_mode` (else for real on
+    the CPU): the rollout keeps what it keeps in a real run (anchor, branches, completions), at the real latent
+    shape, and every tensor that follows from the noise is fake too, so its storage costs no host memory (the sigma
+    schedule stays real: the sampler reads its values). Returns {"rollout": the Rollout} and, per transformer call,
+    (batch, bytes the rollout holds at that call)."""
     tracker, calls = Tracker(), []
 
     def zero_velocity(x, sigma, prompt_index):
         held = sum(device["Total"] for device in tracker.get_tracker_snapshot().values())
         calls.append((x.shape[0], held))
-        return torch.zeros(x.shape, dtype=torch.float32)
+        return torch.zeros_like(x, dtype=torch.float32)
 
+    noise = _fake_copy(noise, fake_mode)
     tracker.track_external(noise)
     with tracker:
         rollout = train.sample_rollout(args, zero_velocity, noise, sigmas, generators, steps)
