@@ -24,20 +24,22 @@ Outputs (in --output-dir; default runs/<name>/eval/ of the first checkpoint's ru
 alone): table.md, results.json (settings, means, standard errors, every score), grid.png (the first --grid-prompts
 prompts, one row per model), images/ with --save-images. Training curves: `python -m tools.plot RUN [RUN ...]`.
 """
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # a Ctrl-C while torch and the models' libraries import: the one line of any other time
     def _interrupted(*_):
-        print("\ninterrupted; nothing more was written", file=sys.stderr)
-        raise SystemExit(130)
+        # nothing is open yet, so leave at once: an exception raised here could unwind through torch's C++ import
+        # code, which then aborts the process (pybind11's error_already_set; seen in a CI run)
+        print("\ninterrupted; nothing more was written", file=sys.stderr, flush=True)
+        os._exit(130)
 
     signal.signal(signal.SIGINT, _interrupted)
 
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Annotated, Optional
