@@ -151,7 +151,8 @@ def resolve_checkpoint(path: str) -> str:
     found = checkpoint.latest_checkpoint(path, set_aside=False)
     if found is None:
         fail(f"--checkpoint '{path}' is neither a checkpoint (lora/, transformer/ or dcp/ inside) nor a run folder "
-             f"with a complete checkpoint in checkpoints/; pass a runs/<name> or runs/<name>/checkpoints/iter_XXXXXX folder")
+             f"with a complete checkpoint in checkpoints/; pass a runs/<name> or "
+             f"runs/<name>/checkpoints/iter_XXXXXX folder")
     return found
 
 

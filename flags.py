@@ -319,6 +319,8 @@ PRESETS = {
 ALGORITHM_FLAGS = ("sampling", "sde_type", "eta", "decode", "timestep_fraction", "adv_std", "same_noise", "kl_form",
                    "reward_fusion", "step_per_sde_step", "member_chunks", "window_schedule")
 G2RPO_ALGORITHM = {name: getattr(TrainArgs, name) for name in ALGORITHM_FLAGS}
+
+
 def all_but_last(num_steps: int) -> list:
     """Steps 0..N-2: DanceGRPO and Flow-GRPO never train the step into sigma = 0."""
     return list(range(num_steps - 1))

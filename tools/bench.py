@@ -51,7 +51,8 @@ class Args:
     final_eval_seeds: int = 96
     """Part 3: noise seeds per held-out prompt at the budget (96: 1,152 images, a standard error <= 0.015)."""
     methods: tuple[str, ...] = ()
-    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run); () = all."""
+    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always
+    run); () = all."""
     extra: tuple[str, ...] = ()
     """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
     output_dir: str = "runs/bench"

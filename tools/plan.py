@@ -381,7 +381,7 @@ class Row:
 
 
 def _fake_copy(tensor, fake_mode):
-    return fake_mode.from_tensor(tensor) if fake_mode is not None and not isinstance(tensor, FakeTensor) else tensor
+    return fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
 
 
 def plan(args, fake: bool = True, log=print):
@@ -425,13 +425,12 @@ def _plan(args, fake, log, mesh=None):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     device = torch.device("cpu")
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    full = args.full
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
     started = time.time()
     torch.manual_seed(args.seed)
 
     # --- the models, as train.build_policy and train.load_reward_models make them ---------------------------------
-    pipe = build_pipeline(args, folder, dtype, torch.float32 if full else dtype, fake_mode)
+    pipe = build_pipeline(args, folder, dtype, torch.float32 if args.full else dtype, fake_mode)
     pipe.set_progress_bar_config(disable=True)
     adapter = ADAPTERS[args.model](
         pipe, device, dtype, guidance=args.guidance, max_sequence_length=args.max_sequence_length,
@@ -496,11 +495,10 @@ def _plan(args, fake, log, mesh=None):
 
         # 3. decode and score: the reward batch; every completion and the anchor are scored this way
         rollout = storage["rollout"]
-        rollout_tensors = [_fake_copy(t, fake_mode) for t in (rollout.latents, rollout.next_latents,
-                                                             rollout.old_log_probs, rollout.final_latents)]
+        rollout_tensors = [rollout.latents, rollout.next_latents, rollout.old_log_probs, rollout.final_latents]
         final = rollout.final_latents.flatten(0, 3)  # (M, ...)
         n = min(args.reward_batch_size, final.shape[0])
-        batch = _fake_copy(final[:n], fake_mode)
+        batch = final[:n]  # the rollout's own tensors: fake in the plan, real in its CPU check
         reward = measure(lambda: [fn(adapter.decode(batch, args.resolution), prompts[:1] * n)
                                   for fn in reward_fns.values()], resident_cond + rollout_tensors, fsdp)
         scored = final.shape[0] + (B if rollout.anchor_final is not None else 0)
