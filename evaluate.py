@@ -42,7 +42,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Optional
+from typing import Optional
 
 import torch
 import tyro
@@ -119,13 +119,8 @@ class BaseArgs(TrainFlags):
     """Also save every image as images/<model>/<prompt>_<seed>.png."""
 
 
-def _reward_path_fields():
-    """One flag per path field of rewards.py (their help and defaults; the evaluation's CLIP defaults to -384)."""
-    return [(name, Annotated[str, tyro.conf.arg(help=help_)], field(default=EVAL_PATH_DEFAULTS.get(name, default)))
-            for name, default, help_ in rewards.path_fields()]
-
-
-Args = dataclasses.make_dataclass("Args", _reward_path_fields(), bases=(BaseArgs,))
+# one flag per reward path (the evaluation's CLIP defaults to -384)
+Args = dataclasses.make_dataclass("Args", flags.reward_path_fields(EVAL_PATH_DEFAULTS), bases=(BaseArgs,))
 
 
 # ---------------------------------------------------------------- inputs: checkpoints, settings, prompts

@@ -276,10 +276,15 @@ def lora_alpha(rank: int, alpha: float) -> float:
     return alpha or rank
 
 
+def reward_path_fields(defaults=None) -> list:
+    """Dataclass fields, one flag per path field of rewards.REWARDS (its help and default, or `defaults`' value),
+    for every script that loads reward models (train.py, evaluate.py)."""
+    return [(name, Annotated[str, tyro.conf.arg(help=help_)], field(default=(defaults or {}).get(name, default)))
+            for name, default, help_ in rewards.path_fields()]
+
+
 # every reward's model paths become flags of their own, declared once in rewards.REWARDS
-Args = dataclasses.make_dataclass(
-    "Args", [(name, Annotated[str, tyro.conf.arg(help=help)], field(default=default))
-             for name, default, help in rewards.path_fields()], bases=(TrainArgs,))
+Args = dataclasses.make_dataclass("Args", reward_path_fields(), bases=(TrainArgs,))
 
 PRESETS = {
     "flux": {},
