@@ -50,7 +50,7 @@ import tyro
 import flags
 import rewards
 from flags import fail, read_prompts
-from run import eval_noise_generator
+from run import backend, eval_noise_generator
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -385,12 +385,12 @@ def markdown_table(results: list[dict], metrics: list[str]) -> str:
 
 
 def setup_distributed(args):
-    """(rank, world, device); under torchrun a process group (nccl on GPUs, gloo on CPU)."""
+    """(rank, world, device); under torchrun a process group (NCCL and gloo on GPUs, gloo on CPUs: run.backend)."""
     import torch.distributed as dist
 
     if int(os.environ.get("RANK", -1)) == -1:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=60))
+    dist.init_process_group(backend(), timeout=timedelta(minutes=60))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")

@@ -241,7 +241,8 @@ class TrainArgs:
     """Checkpoints kept in checkpoints/: the newest this many (0 = all); each removal is printed, and one holding
     files the run did not write (an export) is kept."""
     checkpoint_every: int = 50
-    """Save a checkpoint every this many iterations (and at the end)."""
+    """Save a checkpoint every this many iterations (and at the end). This bounds what a crash loses; a SIGTERM or
+    Ctrl-C saves the last completed iteration anyway (docs/reliability.md)."""
     log_with: Literal["none", "wandb", "tensorboard"] = "none"
     """Experiment tracker: scalars every iteration, held-out samples at every evaluation; files in the run folder."""
     run_name: str = ""

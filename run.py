@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 
 import torch
@@ -38,6 +39,12 @@ def code_version():
         return "unknown"
 
 
+def backend() -> str:
+    """The process group's backends: NCCL for CUDA tensors, gloo for the CPU ones (the scalars, metrics and rewards
+    that the loop reduces live on the CPU, and NCCL alone cannot reduce them); gloo alone on a machine without CUDA."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
 def all_mean(values: dict, distributed: bool) -> dict:
     """Mean of logged scalars over ranks (outside the update, only these, the rewards for a global advantage std and
     the update's call counts are ever communicated)."""
@@ -54,16 +61,15 @@ def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
     advantage std needs every reward of the iteration)."""
     if not distributed:
         return tensor
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.to(device).contiguous())
+    parts = [torch.empty_like(tensor, device="cpu") for _ in range(dist.get_world_size())]  # through gloo
+    dist.all_gather(parts, tensor.cpu().contiguous())
     return torch.cat(parts).to(tensor.device)
 
 
 def _all_reduce_count(n: int, distributed: bool, op) -> int:
     if not distributed:
         return n
-    t = torch.tensor([float(n)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([float(n)])
     dist.all_reduce(t, op=op)
     return int(t.item())
 
@@ -135,6 +141,11 @@ class EMA:
 
                 saved = distribute_tensor(saved, e.device_mesh, e.placements)
             e.copy_(saved)
+
+
+class Preempted(Exception):
+    """A stop was asked during a rollout or an evaluation (`Run.interruptible`): nothing of the iteration in flight
+    has changed the weights, so the run stops there and saves the last completed iteration."""
 
 
 WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so that --resume continues that run
@@ -251,7 +262,11 @@ class Run:
         if self.lock is not None:
             self.lock.release()
 
-    # ---- signals: the first asks for a checkpoint at the end of the iteration, the second aborts at once ----
+    # ---- signals: the first stops the run at the next point where its state is whole and saves it; the second
+    # aborts at once. A scheduler's grace (torchrun's 30 s) is shorter than an iteration of a large model, so the
+    # stop does not wait for the iteration's end: rollouts and evaluations change no state, and a stop asked
+    # during one drops the iteration in flight (which reruns the same on --resume, its noise and prompts following
+    # the seed and the iteration alone) and saves the last completed one ----
     def catch_signals(self):
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -262,13 +277,33 @@ class Run:
             else:
                 self.log(f"\nsecond signal {signum}: aborting now; no checkpoint was written for the current "
                          f"iteration, the previous one is intact")
+            if self.distributed:  # at once: unwinding through a collective save would print every rank's traceback
+                sys.stdout.flush()
+                os._exit(130)
             raise SystemExit(130)
         self.stop_requested = True
-        self.log(f"\nreceived signal {signum}: saving a checkpoint at the end of this iteration "
-                 f"(send it again to abort without saving)")
+        self.log(f"\nreceived signal {signum}: stopping at the next transformer call of the rollout (which is dropped "
+                 f"and reruns on --resume), or after the update, and saving a checkpoint (send it again to abort "
+                 f"without saving)")
+
+    def stopped(self, iteration: int, line: str):
+        """The stop's checkpoint (of `iteration`) is written: say so (train.py then leaves with os._exit, since a
+        signal during Python's own shutdown, which restores the default handlers, would end the process by it)."""
+        self.stopped_at = iteration
+        self.log(line)
 
     def should_stop(self) -> bool:
         return any_rank(self.stop_requested, self.distributed)
+
+    def interruptible(self, velocity_fn):
+        """`velocity_fn`, which first raises Preempted once a stop was asked on any rank. Rollouts and evaluations
+        call it, and every rank makes the same calls there, so all ranks stop at the same one."""
+        def checked(*args):
+            if self.should_stop():
+                raise Preempted
+            return velocity_fn(*args)
+
+        return checked
 
     # ---- metrics: one strict-JSON line per iteration, an optional tracker ----
     def resume_metrics(self, iteration: int) -> dict:

@@ -27,6 +27,7 @@ noise and data order), 8 (faults), 9 (held-out evaluation), 11 (attention kernel
 """
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,15 +41,18 @@ from advantage import granular_advantages, step_credit
 from flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask, update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import EMA, GRID_IMAGES, Run, all_gather, all_max, all_mean, all_sum, any_rank, eval_noise_generator
+from run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend,
+                 eval_noise_generator)
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
-def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, first_update_check=None):
-    """One G2RPO iteration on this rank's prompts; returns its metrics (floats)."""
+def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, first_update_check=None,
+              interruptible=lambda velocity_fn: velocity_fn):
+    """One G2RPO iteration on this rank's prompts; returns its metrics (floats). `interruptible` wraps the rollout's
+    velocity (run.Run.interruptible: a stop asked then drops the iteration before it changes anything)."""
     t0 = time.time()
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
     global_batch = args.global_batch(world)
@@ -64,7 +68,8 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
 
     # 2. rollout with the current policy, no gradients
     steps = trained_steps(args, it)
-    rollout = sample_rollout(args, make_velocity_fn(args, policy, policy.transformer, cond), noise, sigmas, gens, steps)
+    rollout = sample_rollout(args, interruptible(make_velocity_fn(args, policy, policy.transformer, cond)), noise,
+                             sigmas, gens, steps)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
@@ -188,7 +193,8 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
 
 
 @torch.no_grad()
-def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None):
+def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None,
+                  interruptible=lambda velocity_fn: velocity_fn):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
     with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
     of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
@@ -212,7 +218,7 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
             prompts = [eval_prompts[p] for p, _ in chunk]
             cond = policy.adapter.encode(prompts)
             noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.resolution)  # (b, ...)
-            velocity_fn = make_velocity_fn(args, policy, policy.transformer, cond)
+            velocity_fn = interruptible(make_velocity_fn(args, policy, policy.transformer, cond))
             x0 = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch)
             for i in range(0, len(chunk), args.reward_batch_size):
                 images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)  # (b', 3, H, W)
@@ -250,12 +256,20 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     sigmas = sigma_schedule(args.num_steps, args.shift)
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
-                                                distributed, seeds)
+                                                distributed, seeds, run.interruptible)
+    save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
+                                 policy.adapter.pipeline_class, policy.params, policy.ema,
+                                 final=done == args.num_iterations)
+    saved = start  # the iteration of the newest checkpoint (0: none yet)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
                                                                          args.eval_seeds)]
     if start == 0:
-        before, images = held_out(args.final_eval_seeds)
+        try:
+            before, images = held_out(args.final_eval_seeds)
+        except Preempted:
+            run.log("stopped before the first iteration; nothing to save: rerun the same command plus --resume")
+            return
         run.save_grid(images, 0, shown, captions)
         run.write_metrics(0, before)
     else:
@@ -265,16 +279,29 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                dynamic_ncols=True)
     metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
     for it in bar:
-        metrics = all_mean(iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, check),
-                           distributed)
+        try:
+            metrics = iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, check,
+                                run.interruptible)
+        except Preempted:  # during the rollout: the weights are still those of iteration `it`
+            bar.close()
+            if it > saved:
+                save(it)
+            run.stopped(it, f"stopped during iteration {it + 1}, before its update (it reruns on --resume); the "
+                            f"checkpoint of iteration {it} is {'written' if it else 'none: no iteration was complete'}; "
+                            f"continue with the same command plus --resume")
+            return
+        metrics = all_mean(metrics, distributed)
         if not metrics["faults/nonfinite_rewards"]:
             check = None  # it ran with this iteration's update
         faulty = run.count_faults(metrics)
         done = it + 1
-        if done % args.eval_every == 0 or done == args.num_iterations:
-            eval_metrics, images = held_out(args.final_eval_seeds if done == args.num_iterations else None)
-            metrics.update(eval_metrics)
-            run.save_grid(images, done, shown, captions)
+        if (done % args.eval_every == 0 or done == args.num_iterations) and not run.should_stop():
+            try:
+                eval_metrics, images = held_out(args.final_eval_seeds if done == args.num_iterations else None)
+                metrics.update(eval_metrics)
+                run.save_grid(images, done, shown, captions)
+            except Preempted:  # the iteration is whole: it is saved below, without its evaluation
+                pass
         run.write_metrics(done, metrics)
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
@@ -282,11 +309,10 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         stop = run.should_stop()
         # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
-            run.save(done, policy.model, policy.transformer, policy.optimizer, config,
-                     policy.adapter.pipeline_class, policy.params, policy.ema, final=done == args.num_iterations)
+            save(done)
+            saved = done
         if stop:
-            run.stopped_at = done
-            run.log(f"stopped after iteration {done}; continue with the same command plus --resume")
+            run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
             return
     bar.close()
     if run.optimizer_steps == 0:
@@ -448,7 +474,8 @@ def base_velocity_fn(args, policy, cond):
     return base_velocity
 
 
-def main(args):
+def main(args) -> bool:
+    """Train; returns whether a signal stopped the run (its checkpoint written)."""
     # ---- distributed: one short block keyed on RANK, so the same script runs on a laptop and on many GPUs ----
     distributed = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if distributed else (0, 1)
@@ -460,8 +487,7 @@ def main(args):
     try:
         resume_from = run.open(config) if master else None
         if distributed:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout_minutes))
+            dist.init_process_group(backend(), timeout=timedelta(minutes=args.dist_timeout_minutes))
             device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -501,7 +527,11 @@ def main(args):
         run.close()
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
+    return run.stopped_at is not None
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    if main(parse_args()):  # stopped by a signal: leave at once, before Python's shutdown restores its handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

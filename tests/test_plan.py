@@ -8,6 +8,7 @@ Each phase's peak must agree within 2 % (measured: equal to 0.1 %), with the fus
 Run: python -m pytest -q tests/test_plan.py     (about 30 s on 2 cores)
 """
 import os
+import re
 
 import pytest
 
@@ -88,6 +89,7 @@ def test_report_says_whether_it_fits(capsys):
     assert "| phase | peak GiB |" in out and "| update:" in out and "| evaluation:" in out
     assert out.strip().splitlines()[-1].startswith("no: phase ")
     assert "of the rollouts'" in out
+    assert re.search(r"preemption: a SIGTERM stops .* within a grace of 30 s", out), out
 
 
 def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():

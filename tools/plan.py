@@ -89,6 +89,8 @@ class PlanArgs(flags.Args):
     """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium)."""
     disk_gb_per_s: float = 1.0
     """Write and read bandwidth of the checkpoint folder per rank in GB/s, for the checkpoint's time."""
+    grace_s: float = 30.0
+    """Seconds between a scheduler's SIGTERM and its SIGKILL (torchrun's default: 30), for the preemption line."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -553,6 +555,7 @@ def _plan(args, fake, log, mesh=None):
 
     lora_grads = (sum(p.numel() * 4 for p in policy.params) if args.lora_rank and world > 1 else 0)
     notes.append(checkpoint_cost(args, policy, world))
+    notes.append(preemption_cost(args, rows, policy))
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
     rollout_nfe = args.num_iterations * nfe * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
@@ -566,14 +569,20 @@ def _plan(args, fake, log, mesh=None):
     return rows, notes, evaluations
 
 
-def checkpoint_cost(args, policy, world) -> str:
-    """What one checkpoint writes: the trained weights, AdamW's two moments and the EMA, all fp32. A sharded full
-    fine-tune (FSDP2) writes them with torch.distributed.checkpoint, each rank its own shards, in parallel, staging
-    one tensor at a time; LoRA and one process write the whole from rank 0, gathered in its host memory."""
+def checkpoint_bytes(policy):
+    """(bytes one rank writes, its largest tensor, its share of the trained weights): the trained weights, AdamW's two
+    moments and the EMA, all fp32."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in policy.params]
     per_copy = sum(p.numel() * 4 for p in local)  # this rank's fp32 share of the trained weights
     copies = 3 + (policy.ema is not None)  # weights, exp_avg, exp_avg_sq (+ EMA)
-    written, largest = per_copy * copies, max(p.numel() * 4 for p in local)
+    return per_copy * copies, max(p.numel() * 4 for p in local), per_copy
+
+
+def checkpoint_cost(args, policy, world) -> str:
+    """What one checkpoint writes. A sharded full fine-tune (FSDP2) writes it with torch.distributed.checkpoint, each
+    rank its own shards, in parallel, staging one tensor at a time; LoRA and one process write the whole from rank
+    0, gathered in its host memory."""
+    written, largest, per_copy = checkpoint_bytes(policy)
     seconds = written / (args.disk_gb_per_s * 1e9)
     if args.lora_rank == 0 and world > 1:
         return (f"checkpoint: {world} ranks write {written / 1e9:.1f} GB each ({world * written / 1e9:.0f} GB in all) "
@@ -582,6 +591,22 @@ def checkpoint_cost(args, policy, world) -> str:
                 f"also exports transformer/ ({per_copy * world / 1e9:.1f} GB, read {EXPORT_GB:.1f} GB at a time)")
     return (f"checkpoint: rank 0 writes {written / 1e9:.2f} GB ({seconds:.0f} s at {args.disk_gb_per_s:g} GB/s), "
             f"gathered in its host memory; every rank reads it on resume")
+
+
+def preemption_cost(args, rows, policy) -> str:
+    """How long a SIGTERM's stop takes (run.Run.interruptible): the rollout's transformer call in flight, or at worst
+    the scoring and the update that follow the rollout, which run to their end; then one checkpoint's write. Nothing
+    is staged in host memory for it, and no disk is used for it between preemptions."""
+    floor = lambda row, calls: row.cost.flops * calls / (args.peak_tflops * 1e12)
+    rollout, reward, update = (next(r for r in rows if r.phase.startswith(name))
+                               for name in ("rollout", "decode", "update"))
+    call, worst = floor(rollout, 1), floor(reward, reward.calls) + floor(update, update.calls)
+    write = checkpoint_bytes(policy)[0] / (args.disk_gb_per_s * 1e9)
+    verdict = "within" if worst + write <= args.grace_s else "beyond"
+    return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or at worst after "
+            f"the scoring and update ({worst:.1f} s), then writes one checkpoint ({write:.0f} s): {worst + write:.0f} "
+            f"s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real kernels run slower than the "
+            f"floor); no host memory or disk is used for it until then")
 
 
 def args_eval_prompt_count(args):
@@ -658,8 +683,9 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # diffusers' blocks return views, as in training
     if args.gpus < 1:
         fail(f"--gpus {args.gpus}: must be >= 1")
-    if not all(math.isfinite(v) and v > 0 for v in (args.gpu_memory_gib, args.peak_tflops, args.disk_gb_per_s)):
-        fail("--gpu-memory-gib, --peak-tflops and --disk-gb-per-s must be finite numbers > 0")
+    if not all(math.isfinite(v) and v > 0 for v in (args.gpu_memory_gib, args.peak_tflops, args.disk_gb_per_s,
+                                                     args.grace_s)):
+        fail("--gpu-memory-gib, --peak-tflops, --disk-gb-per-s and --grace-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
     if args.model not in (*CONFIGS, "tiny"):
         fail(f"plan.py builds {', '.join(CONFIGS)} and tiny so far; --model {args.model} is not planned yet")
