@@ -3,7 +3,8 @@
 Every part goes through the trainer's own code: `models.FluxAdapter.velocity` (the one place a transformer is
 called, with its attention kernels and compilation), `models.add_lora` (the trainer's LoRA targets),
 `sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `kernels.check_gradient` with `g2rpo.update_loss`.
-  1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator: no skipped optimizer step, and the
+  1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator, under torchrun on one rank (the
+                many-GPU path: a process group with NCCL and gloo, FSDP2): no skipped optimizer step, and the
                 train and held-out rewards rise.
   2. gradient:  a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA r64, gradient
                 checkpointing, 720^2: the update's gradient is finite and matches the math attention kernel's
@@ -403,7 +404,9 @@ def start_tiny(args: Args, scale: Scale):
         tiny.build_pipeline(seed=0).save_pretrained(path)
         argv += ["--model-path", path]
     log = open(os.path.join(args.output_dir, "tiny.log"), "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
+    # one torchrun rank: the process group (run.backend), the ranks' reductions and FSDP2, which one GPU can check
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    proc = subprocess.Popen([*launcher, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     return proc, out, log, time.time() + scale.timeouts["tiny"], time.time()
 
