@@ -74,9 +74,10 @@ def how_to_write(path: str) -> str:
 @dataclass
 class TrainArgs:
     # --- model ---
-    model: Literal["flux", "sd3", "zimage", "flux2", "wan", "tiny"] = "flux"
+    model: Literal["flux", "sd3", "zimage", "flux2", "qwenimage", "wan", "tiny"] = "flux"
     """Model family and preset of defaults: flux (FLUX.1, the paper's), sd3 (SD3 / SD3.5, CFG), zimage (Z-Image-Turbo),
-    flux2 (FLUX.2 klein 4B), wan (Wan 2.1 text-to-video 1.3B, CFG), tiny (built-in, CPU)."""
+    flux2 (FLUX.2 klein 4B), qwenimage (Qwen-Image, true CFG), wan (Wan 2.1 text-to-video 1.3B, CFG), tiny
+    (built-in, CPU)."""
     model_path: str = "black-forest-labs/FLUX.1-dev"
     """A diffusers pipeline folder or hub id. Ignored by --model tiny, which builds its own."""
     guidance: float = 3.5
@@ -299,6 +300,14 @@ PRESETS = {
     "flux2": dict(model_path="black-forest-labs/FLUX.2-klein-4B", guidance=0.0, max_sequence_length=512,
                   resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], granularities=[1, 2], lora_rank=32,
                   lr=1e-4, output_dir="runs/flux2"),
+    # Qwen-Image as its model card samples it: 1328² (the card's 1:1 size; the pipeline's default is 1024²), 50 steps
+    # (card and pipeline), true CFG 4 against the negative prompt " " (card; the pipeline's true_cfg_scale default is
+    # 4 too). Its scheduler shifts the schedule by exp(mu), mu = calculate_shift(6889 tokens, 256, 8192, 0.5, 0.9) =
+    # 0.834: 2.30 (recompute for other sizes); it also stretches the schedule to end at sigma 0.02 before 0
+    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3, G 8
+    "qwenimage": dict(model_path="Qwen/Qwen-Image", guidance=4.0, max_sequence_length=512, resolution=1328,
+                      num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
+                      output_dir="runs/qwenimage"),
     # Wan 2.1 T2V 1.3B as its card samples it (81 frames, 50 steps, flow shift 3, guidance 5), but square: the card's
     # 832x480 needs non-square sizes, which this project does not have yet. Rewards score every 4th frame. A video-sized
     # rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the image presets' 0..7 and G 12)

@@ -14,6 +14,8 @@ g2rpo.py) see only latents, sigmas and prompt indices, so they do not know which
       time 1 - sigma and predicts -v. Z-Image-Turbo needs no guidance; with `guidance` > 0, CFG as SD3.
   FLUX.2 [klein] (`Flux2KleinAdapter`): the VAE's 2x2 patches as tokens (B, L, 4C), normalised by its batch-norm
       statistics; no guidance in the distilled models, CFG with `guidance` > 0 (the base models).
+  Qwen-Image (`QwenImageAdapter`): 2x2 patches (B, L, 4C) as FLUX.1, with the caption's padding mask; true CFG
+      above 1 against the card's negative prompt, its norm rescaled as the pipeline does.
   Wan 2.1 / 2.2 (`WanAdapter`): video latents (B, C, F', h, w); CFG as SD3; decodes to videos (M, 3, F, H, W).
 
 Shapes: M samples in a call, B prompts, L packed image tokens, T text tokens, D text width; videos: F frames,
@@ -352,6 +354,76 @@ class Flux2KleinAdapter(Adapter):
         return ((images.float() + 1) / 2).clamp(0, 1)
 
 
+class QwenImageAdapter(Adapter):
+    """Qwen-Image (a 20B MMDiT; Qwen2.5-VL-7B as its text encoder, whose last hidden states after the pipeline's
+    34-token system prompt are the caption; the causal video VAE of Wan, 8x, one frame). Latents are 2x2 patches
+    (B, L, 4C) as FLUX.1's, with a mask over the padded caption tokens; the transformer takes sigma (x1000 inside).
+    Guidance is the pipeline's true CFG against the model card's negative prompt " ", above 1, with its norm
+    rescaling: the guided velocity keeps, per token, the conditional velocity's norm."""
+    from diffusers import QwenImagePipeline as pipeline_class
+    lora_targets = (LORA_ATTENTION, ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"])
+    negative_prompt = " "  # the model card's
+
+    def __init__(self, pipe, device, dtype, guidance: float = 4.0, max_sequence_length: int = 512,
+                 offload_text_encoders: bool = False, place_transformer: bool = True, **options):
+        super().__init__(pipe, device, dtype, offload_text_encoders, place_transformer, **options)
+        self.guidance, self.max_sequence_length = guidance, max_sequence_length
+
+    @property
+    def cfg(self):  # as the pipeline runs it: above 1 (with a negative prompt, which the card gives)
+        return self.guidance > 1
+
+    def encode_prompts(self, prompts):
+        def encode(texts):  # (B, T, D) and its mask (B, T): 1 on caption tokens, 0 on padding
+            embeds, mask = self.pipe.encode_prompt(list(texts), device=self.device,
+                                                   max_sequence_length=self.max_sequence_length)
+            return embeds, torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device) if mask is None else mask
+
+        embeds, mask = encode(prompts)
+        cond = {"prompt_embeds": embeds, "mask": mask}
+        if self.cfg:
+            cond["negative_embeds"], cond["negative_mask"] = encode([self.negative_prompt] * len(prompts))
+        return cond
+
+    def noise(self, generators, resolution):
+        """One standard normal latent per generator, packed into 2x2 patches: (B, L, 4C)."""
+        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+        shape = (self.transformer.config.in_channels // 4, h, w)
+        latents = prompt_noise(generators, shape, "cpu")  # (B, C, h, w)
+        return self.pipe._pack_latents(latents, len(generators), *shape).to(self.device)  # (B, L, 4C)
+
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+        """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; true CFG with norm rescaling above 1."""
+        side = resolution // self.pipe.vae_scale_factor // 2  # tokens per side
+        embeds, mask, sigma = cond["prompt_embeds"][prompt_index], cond["mask"][prompt_index], sigma.to(self.device)
+        if self.cfg:  # the negative caption first, both padded to one length (masked, as the pipeline's batches are)
+            negative, negative_mask = cond["negative_embeds"][prompt_index], cond["negative_mask"][prompt_index]
+            length = max(embeds.shape[1], negative.shape[1])
+            pad = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]))
+            embeds, mask = torch.cat([pad(negative), pad(embeds)]), torch.cat([pad(negative_mask), pad(mask)])
+            latents, sigma = torch.cat([latents, latents]), torch.cat([sigma, sigma])
+        embeds, = self.kernels.text_inputs(embeds)
+        with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
+            out = transformer(hidden_states=latents, encoder_hidden_states=embeds,
+                              encoder_hidden_states_mask=None if bool(mask.all()) else mask, timestep=sigma,
+                              img_shapes=[[(1, side, side)]] * latents.shape[0], return_dict=False)[0]
+        if not self.cfg:
+            return out.float()
+        guided, conditional = self.guided(out, self.guidance), out.float().chunk(2)[1]
+        return guided * (conditional.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+    @torch.no_grad()
+    def decode(self, latents, resolution):
+        """Tokens (M, L, 4C) -> images (M, 3, H, W) in [0, 1]: unpack to one frame, undo the per-channel
+        normalisation, decode."""
+        vae = self.pipe.vae
+        z = self.pipe._unpack_latents(latents, resolution, resolution, self.pipe.vae_scale_factor)  # (M, C, 1, h, w)
+        mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
+        images = vae.decode((z.to(self.device) * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
+        return ((images.float() + 1) / 2).clamp(0, 1)
+
+
 class WanAdapter(Adapter):
     """Wan 2.1 / 2.2 text-to-video (UMT5 text encoder; one transformer: 2.1, or 2.2 TI2V 5B). Latents are videos
     (B, C, F', h, w), F' = (F - 1) / 4 + 1 latent frames for F frames; the transformer takes t = 1000 sigma.
@@ -408,6 +480,6 @@ class WanAdapter(Adapter):
 
 
 ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter,
-            "flux2": Flux2KleinAdapter, "wan": WanAdapter}
+            "flux2": Flux2KleinAdapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter}
 # image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
-RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16, "wan": 16}
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16, "qwenimage": 16, "wan": 16}

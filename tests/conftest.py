@@ -111,6 +111,61 @@ def build_flux2_pipeline(seed=0, distilled=True):
                               transformer=transformer, is_distilled=distilled)
 
 
+def build_qwen_tokenizer():
+    """A word-level tokenizer for Qwen-Image's prompt template, built offline. Like Qwen2's BPE it makes the
+    template's system prefix 34 tokens (words, punctuation, line breaks and the chat markers), the count the pipeline
+    drops from every prompt's hidden states."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import tiny
+
+    system = ("Describe the image by detailing the color , shape , size , texture , quantity , text , spatial "
+              "relationships of the objects and background :")
+    words = ["<|endoftext|>", "<unk>", "\n", "system", "user", "assistant", *dict.fromkeys(system.split()),
+             *sorted(set(tiny.WORDS) - set(system.split()))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                                     pre_tokenizers.Split("\n", "isolated"),
+                                                     pre_tokenizers.Punctuation()])
+    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   eos_token="<|im_end|>", model_max_length=64)
+
+
+def build_qwenimage_pipeline(seed=0):
+    """A randomly initialised tiny QwenImagePipeline: a 2-layer Qwen2.5-VL (its language model's last hidden states
+    are the caption), the MMDiT transformer on 2x2 patches, Qwen-Image's causal video VAE (8x), and its scheduler's
+    dynamic shift."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = build_qwen_tokenizer()
+    ids = dict(bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **ids),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]), **ids))
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True])
+    with torch.no_grad():  # a random decoder draws flat grey (std 0.04), where the pixel reward is 0 for every image
+        vae.decoder.conv_out.weight.mul_(5)
+        vae.decoder.conv_out.bias.mul_(5)
+    # Qwen-Image's scheduler (its scheduler_config.json) without the terminal stretch, which this project does not run
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192,
+                                                time_shift_type="exponential")
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+
+
 def build_wan_pipeline(seed=0):
     """A randomly initialised tiny WanPipeline (Wan 2.1 layout): UMT5, the video transformer, a video VAE that
     packs 4 frames and 8x8 pixels into a latent."""
@@ -142,6 +197,11 @@ def _saved(factory, build):
 @pytest.fixture(scope="session")
 def wan_path(tmp_path_factory):
     return _saved(tmp_path_factory, build_wan_pipeline)
+
+
+@pytest.fixture(scope="session")
+def qwenimage_path(tmp_path_factory):
+    return _saved(tmp_path_factory, build_qwenimage_pipeline)
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,18 @@ from models import ADAPTERS, WanAdapter
 from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 PROMPTS = ["a red circle on the left", "two blue squares"]
-FAMILIES = ["zimage", "flux2"]
+FAMILIES = ["zimage", "flux2", "qwenimage"]
 
 
 def stock_shift(family, steps):
-    """The time shift the stock pipeline applies at 32² (64 tokens): Z-Image's and SD3's fixed 3, FLUX.2's exp(mu)."""
+    """The time shift the stock pipeline applies at 32²: Z-Image's and SD3's fixed 3, FLUX.2's exp(mu) at 64 tokens,
+    Qwen-Image's exp(mu) at 4 tokens (its scheduler's dynamic shift)."""
     if family in ("zimage", "sd3"):
         return 3.0
+    if family == "qwenimage":
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        return math.exp(calculate_shift(4, 256, 8192, 0.5, 0.9))
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
     return math.exp(compute_empirical_mu(64, steps))
@@ -35,7 +40,7 @@ def load(family, path, guidance):
 
 
 @pytest.fixture
-def family_path(request, zimage_path, flux2_path, sd3_path, tmp_path):
+def family_path(request, zimage_path, flux2_path, qwenimage_path, sd3_path, tmp_path):
     family, guidance = request.param
     if family == "flux2" and guidance:  # CFG belongs to the klein base models (not distilled)
         from conftest import build_flux2_pipeline
@@ -43,7 +48,8 @@ def family_path(request, zimage_path, flux2_path, sd3_path, tmp_path):
         path = str(tmp_path / "flux2_base")
         build_flux2_pipeline(distilled=False).save_pretrained(path)
         return family, guidance, path
-    return family, guidance, {"zimage": zimage_path, "flux2": flux2_path, "sd3": sd3_path}[family]
+    return family, guidance, {"zimage": zimage_path, "flux2": flux2_path, "qwenimage": qwenimage_path,
+                              "sd3": sd3_path}[family]
 
 
 @pytest.mark.parametrize("family_path", [(f, g) for f in FAMILIES for g in (0.0, 2.0)], indirect=True,
@@ -60,8 +66,12 @@ def test_the_adapter_samples_as_the_stock_pipeline(family_path):
     if family == "flux2":  # the stock pipeline takes the noise as 2x2 patches (B, 4C, h/2, w/2)
         noise = noise.transpose(1, 2).reshape(2, -1, 8, 8)
         options = dict(text_encoder_out_layers=adapter.text_layers)  # (1, 2, 3) of the tiny 4-layer Qwen3
-    stock = adapter.pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=3, guidance_scale=guidance,
-                         latents=noise.clone(), max_sequence_length=32, output_type="pt", **options).images
+    if family == "qwenimage":  # true CFG: its scale and the card's negative prompt (guidance_scale is for distilled)
+        options = dict(true_cfg_scale=guidance, negative_prompt=adapter.negative_prompt if guidance else None)
+    else:
+        options["guidance_scale"] = guidance
+    stock = adapter.pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=3, latents=noise.clone(),
+                         max_sequence_length=32, output_type="pt", **options).images
     torch.testing.assert_close(adapter.decode(ours, 32), stock, atol=1e-4, rtol=1e-4)
 
 
@@ -105,12 +115,13 @@ def test_guidance_set_after_loading_switches_cfg(tmp_path):
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "wan"])
-def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, wan_path):
+def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, qwenimage_path, wan_path):
     if family == "wan":  # with its guidance: two image-forwards a velocity
         adapter = WanAdapter.load(wan_path, "cpu", torch.float32, guidance=5.0, max_sequence_length=16, num_frames=5)
         assert adapter.forwards_per_velocity == 2 and adapter.noise([torch.Generator()], 32).shape == (1, 16, 2, 4, 4)
     else:
-        adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path}[family], 0.0)
+        adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path, "qwenimage": qwenimage_path}[family],
+                       2.0 if family == "qwenimage" else 0.0)  # Qwen-Image with its true CFG
     cond = adapter.encode(PROMPTS)
     velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, 32)
     sigmas, kw = sigma_schedule(4, 3.0), dict(group_size=3, sde_steps=[0, 1], granularities=[1, 2], eta=0.7)
@@ -124,15 +135,21 @@ def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, wa
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("lora", [0, 4])
-def test_two_iterations_and_the_weights_in_the_stock_pipeline(family, lora, zimage_path, flux2_path, tmp_path):
-    path, out = {"zimage": zimage_path, "flux2": flux2_path}[family], str(tmp_path / "run")
+def test_two_iterations_and_the_weights_in_the_stock_pipeline(family, lora, zimage_path, flux2_path, qwenimage_path,
+                                                               tmp_path):
+    path = {"zimage": zimage_path, "flux2": flux2_path, "qwenimage": qwenimage_path}[family]
+    out = str(tmp_path / "run")
     run_train(["--model", family, "--model-path", path, "--output-dir", out, "--num-iterations", "2",
                "--lora-rank", str(lora), "--lr", "1e-2", "--eval-every", "2", "--checkpoint-every", "2", *QUICK,
                *(["--lora-feed-forward"] if lora else [])])
     folder = os.path.join(out, "checkpoints", "iter_000002")
     adapter = load(family, path, 0.0)
     pipe, options = adapter.pipe, dict(text_encoder_out_layers=(1, 2, 3)) if family == "flux2" else {}
-    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=32, num_inference_steps=2, guidance_scale=0.0,
+    if family == "qwenimage":
+        options["true_cfg_scale"] = 1.0
+    else:
+        options["guidance_scale"] = 0.0
+    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=32, num_inference_steps=2,
                           generator=torch.Generator().manual_seed(0), max_sequence_length=32, output_type="pt",
                           **options).images
     before = sample()
@@ -140,7 +157,8 @@ def test_two_iterations_and_the_weights_in_the_stock_pipeline(family, lora, zima
         pipe.load_lora_weights(os.path.join(folder, "lora"))
         names = [n for n, _ in pipe.transformer.named_modules() if n.endswith("lora_A")]
         # LoRA on attention and on feed-forward layers, and in FLUX.2's single-stream blocks too
-        assert any(".w1." in n or ".ff." in n for n in names) and any("attention" in n or "attn" in n for n in names)
+        assert (any(".w1." in n or ".ff." in n or "_mlp." in n for n in names)
+                and any("attention" in n or "attn" in n for n in names))
         if family == "flux2":
             assert any(n.startswith("single_transformer_blocks") for n in names)
     else:
