@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 # config fields that must match for a resume to continue the same run
 RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance", "max_sequence_length",
-               "eta", "resolution", "group_size", "num_steps", "shift", "sde_steps",
+               "eta", "resolution", "height", "width", "group_size", "num_steps", "shift", "sde_steps",
                "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
                "window_every", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames",
                # the baselines' axes (docs/baselines.md); a configuration written before them ran their defaults

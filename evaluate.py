@@ -77,8 +77,8 @@ def family_defaults(model: str) -> dict:
             **EVAL_DEFAULTS[model]}
 
 
-SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "max_sequence_length", "num_frames",
-            "reward_frames"]
+SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "height", "width",
+            "max_sequence_length", "num_frames", "reward_frames"]
 SHARED = SETTINGS + ["reward_batch_size", "mixed_precision", "offload_text_encoders", "tiny_cache"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
 EVAL_PATH_DEFAULTS = {"clip_model": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"}  # the reference's evaluation CLIP
@@ -186,6 +186,8 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
     for key in SETTINGS[1:]:
         flag = getattr(args, key)
         out[key] = flag if flag is not None else config.get(key, fallback.get(key, family_defaults(model)[key]))
+    if args.resolution is not None:  # a square, as train.py's: the run's own height and width unless given too
+        out.update({side: getattr(args, side) or 0 for side in ("height", "width")})
     return out
 
 
@@ -195,8 +197,9 @@ def check_settings(s: dict, where: str):
     multiple = RESOLUTION_MULTIPLE[s["model"]]
     if s["num_steps"] < 1 or s["max_sequence_length"] < 1 or not s["guidance"] >= 0 or not s["shift"] > 0:
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
-    if s["resolution"] < multiple or s["resolution"] % multiple:
-        fail(f"{where}: resolution {s['resolution']} is not a positive multiple of {multiple}")
+    for key in ("resolution", "height", "width"):
+        if s[key] < (multiple if key == "resolution" else 0) or s[key] % multiple:
+            fail(f"{where}: {key} {s[key]} is not a positive multiple of {multiple}")
     problem = flags.frames_problem(s["model"], s["num_frames"], f"{where}: num_frames")
     if problem:
         fail(problem)
@@ -345,16 +348,16 @@ def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_si
     from sampler import ode_sample, sigma_schedule
 
     sigmas = sigma_schedule(settings["num_steps"], settings["shift"])  # (N + 1,)
-    resolution = settings["resolution"]
+    size = (settings["height"] or settings["resolution"], settings["width"] or settings["resolution"])  # (H, W)
     scores = {name: [] for name in metric_fns}
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         texts = [prompts[p] for p, _ in chunk]
         cond = adapter.encode(texts)
-        noise = adapter.noise([eval_noise_generator(p, s) for p, s in chunk], resolution)  # (b, ...)
-        velocity = lambda x, sigma, idx: adapter.velocity(module, cond, x, sigma, idx, resolution)
+        noise = adapter.noise([eval_noise_generator(p, s) for p, s in chunk], size)  # (b, ...)
+        velocity = lambda x, sigma, idx: adapter.velocity(module, cond, x, sigma, idx, size)
         x0 = ode_sample(velocity, noise, sigmas, max_batch=batch_size)
-        images = adapter.decode(x0, resolution)  # (b, 3, H, W) in [0, 1]
+        images = adapter.decode(x0, size)  # (b, 3, H, W) in [0, 1]
         for name, fn in metric_fns.items():
             scores[name] += fn(images, texts).cpu().tolist()
         on_images(start, images)

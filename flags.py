@@ -124,6 +124,10 @@ class TrainArgs:
     # --- rollout ---
     resolution: int = 720
     """Image (or video frame) side in pixels (reference 720; a multiple of 16, of 4 for tiny)."""
+    height: int = 0
+    """Image (or video frame) height in pixels, when it is not --resolution (0: --resolution); the same multiple."""
+    width: int = 0
+    """Image (or video frame) width in pixels, when it is not --resolution (0: --resolution); the same multiple."""
     num_frames: int = 1
     """Video models (--model wan): frames per sample, 4k + 1 (the VAE packs 4 frames a latent frame). Images: 1."""
     reward_frames: int = 1
@@ -259,6 +263,11 @@ class TrainArgs:
 
     # --- what follows from the flags, defined once (properties and methods are not flags) ---------------------------
     @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) in pixels: --height and --width, each --resolution where 0."""
+        return self.height or self.resolution, self.width or self.resolution
+
+    @property
     def full(self) -> bool:
         """Full fine-tuning (--lora-rank 0; FSDP2 across ranks), else LoRA (DDP)."""
         return self.lora_rank == 0
@@ -308,10 +317,11 @@ PRESETS = {
     "qwenimage": dict(model_path="Qwen/Qwen-Image", guidance=4.0, max_sequence_length=512, resolution=1328,
                       num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
                       output_dir="runs/qwenimage"),
-    # Wan 2.1 T2V 1.3B as its card samples it (81 frames, 50 steps, flow shift 3, guidance 5), but square: the card's
-    # 832x480 needs non-square sizes, which this project does not have yet. Rewards score every 4th frame. A video-sized
+    # Wan 2.1 T2V 1.3B as its card samples it: 832 x 480, 81 frames, 50 steps, flow shift 3, guidance 5. Rewards score
+    # every 4th frame. A video-sized
     # rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the image presets' 0..7 and G 12)
     "wan": dict(model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, max_sequence_length=512, resolution=480,
+                width=832,
                 num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3], group_size=8,
                 max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
     # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
@@ -420,6 +430,12 @@ def parse_args(argv=None, args_class=None):
     for name, rule in METHODS[method].per_steps.items():
         if not _given(argv, name):
             setattr(args, name, rule(args.num_steps))
+    # a --resolution given is a square: it replaces the preset's own height and width (Wan's 832 x 480) unless they
+    # are given too
+    if _given(argv, "resolution"):
+        for side in ("height", "width"):
+            if not _given(argv, side):
+                setattr(args, side, 0)
     return args
 
 
@@ -461,6 +477,7 @@ def above(low, note=""):
 RULES = {
     "guidance": at_least(0), "max_sequence_length": at_least(1), "lora_rank": at_least(0, " (0 = full fine-tune)"),
     "lora_alpha": at_least(0, " (0 = the rank)"), "resolution": at_least(4), "num_steps": at_least(1),
+    "height": at_least(0, " (0 = --resolution)"), "width": at_least(0, " (0 = --resolution)"),
     "num_frames": at_least(1), "reward_frames": at_least(1, " (1 = every frame)"),
     "shift": above(0, " (reference 3)"), "eta": above(0, ": the SDE step needs eta > 0 (typ. 0.7)"),
     "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
@@ -596,9 +613,11 @@ def check_flags(args, world: int, log=print):
         fail(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "
              f"{PIPELINES[family]}); use --model {family}, or a {args.model} folder")
     multiple = RESOLUTION_MULTIPLE[args.model]
-    if args.resolution % multiple:
-        fail(f"--resolution {args.resolution} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
-             f"use e.g. {args.resolution // multiple * multiple or multiple}")
+    sides = [("--height", args.height), ("--width", args.width)]
+    for name, value in ([] if args.height and args.width else [("--resolution", args.resolution)]) + sides:
+        if value % multiple:
+            fail(f"{name} {value} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
+                 f"use e.g. {value // multiple * multiple or multiple}")
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
              f"use a multiple of {world}")

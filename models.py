@@ -39,6 +39,11 @@ LORA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj"
 LORA_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]
 
 
+def hw(size) -> tuple[int, int]:
+    """An image size as (height, width) in pixels; one int is a square's side (TrainArgs.size gives the pair)."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 class ModelLoadError(Exception):
     """The weights could not be loaded; the message names the path tried and how to get the weights."""
 
@@ -133,16 +138,16 @@ class Adapter:
                             ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")) if m is not None]
 
     @torch.no_grad()
-    def decode(self, latents, resolution):
+    def decode(self, latents, size):
         """latents (M, ...) -> images (M, 3, H, W) in [0, 1], float32."""
         vae = self.pipe.vae
-        x = self.unpack(latents, resolution).to(self.device, vae.dtype)  # (M, C, h, w)
+        x = self.unpack(latents, size).to(self.device, vae.dtype)  # (M, C, h, w)
         # the VAE's latent normalisation: z = (x - shift) * scale, so x = z / scale + shift
         x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(x, return_dict=False)[0]  # (M, 3, H, W) in [-1, 1]
         return ((images.float() + 1) / 2).clamp(0, 1)
 
-    def unpack(self, latents, resolution):
+    def unpack(self, latents, size):
         return latents
 
     @staticmethod
@@ -170,20 +175,20 @@ class FluxAdapter(Adapter):
     def latent_channels(self):
         return self.transformer.config.in_channels // 4
 
-    def noise(self, generators, resolution):
+    def noise(self, generators, size):
         """One standard normal latent per generator: (B, L, 4C)."""
-        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+        h, w = (2 * (side // (self.pipe.vae_scale_factor * 2)) for side in hw(size))
         shape = (self.latent_channels(), h, w)
         latents = prompt_noise(generators, shape, "cpu")  # (B, C, h, w)
         return self.pipe._pack_latents(latents, len(generators), shape[0], h, w).to(self.device)  # (B, L, 4C)
 
-    def unpack(self, latents, resolution):
-        return self.pipe._unpack_latents(latents, resolution, resolution, self.pipe.vae_scale_factor)
+    def unpack(self, latents, size):
+        return self.pipe._unpack_latents(latents, *hw(size), self.pipe.vae_scale_factor)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """v(x, sigma | prompt): latents (M, L, 4C), sigma (M,), prompt_index (M,) -> (M, L, 4C) float32."""
         M = latents.shape[0]
-        h = w = resolution // self.pipe.vae_scale_factor
+        h, w = (side // self.pipe.vae_scale_factor for side in hw(size))
         image_ids = self.pipe._prepare_latent_image_ids(M, h // 2, w // 2, self.device, latents.dtype)  # (L, 3)
         guidance = (torch.full((M,), self.guidance, device=self.device)
                     if self.transformer.config.guidance_embeds else None)
@@ -217,11 +222,11 @@ class SD3Adapter(Adapter):
         return {"prompt_embeds": embeds, "negative_embeds": negative, "pooled": pooled,
                 "negative_pooled": negative_pooled}
 
-    def noise(self, generators, resolution):
-        h = w = resolution // self.pipe.vae_scale_factor
+    def noise(self, generators, size):
+        h, w = (side // self.pipe.vae_scale_factor for side in hw(size))
         return prompt_noise(generators, (self.transformer.config.in_channels, h, w), self.device)  # (B, C, h, w)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """Guided velocity v_u + w (v_c - v_u), or v_c when guidance <= 1: latents (M, C, h, w) -> (M, C, h, w)
         float32."""
         embeds, pooled = cond["prompt_embeds"][prompt_index], cond["pooled"][prompt_index]
@@ -266,11 +271,11 @@ class ZImageAdapter(Adapter):
                         negative_lengths=torch.tensor([len(e) for e in negative]))
         return cond
 
-    def noise(self, generators, resolution):
-        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+    def noise(self, generators, size):
+        h, w = (2 * (side // (self.pipe.vae_scale_factor * 2)) for side in hw(size))
         return prompt_noise(generators, (self.transformer.config.in_channels, h, w), self.device)  # (B, C, h, w)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """latents (M, C, h, w) -> (M, C, h, w) float32; guided when `guidance` > 0."""
         index = prompt_index.tolist()
         texts = [cond["prompt_embeds"][i, : cond["lengths"][i]] for i in index]  # M captions (T_i, D)
@@ -322,17 +327,17 @@ class Flux2KleinAdapter(Adapter):
             cond["negative_embeds"] = encode([""] * len(prompts))[0]
         return cond
 
-    def noise(self, generators, resolution):
+    def noise(self, generators, size):
         """Standard normal latents drawn as the VAE's 2x2 patches (4C, h/2, w/2), flattened to (B, L, 4C)."""
-        side = resolution // (self.pipe.vae_scale_factor * 2)
-        shape = (self.transformer.config.in_channels, side, side)
+        h, w = (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        shape = (self.transformer.config.in_channels, h, w)
         latents = prompt_noise(generators, shape, "cpu")  # (B, 4C, h/2, w/2)
         return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; guided with CFG (the base models)."""
-        side = resolution // (self.pipe.vae_scale_factor * 2)
-        image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, side, side))[0].to(self.device)  # (L, 4)
+        h, w = (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, h, w))[0].to(self.device)  # (L, 4)
         embeds, sigma = cond["prompt_embeds"][prompt_index], sigma.to(self.device)
         if self.cfg:
             embeds, latents, sigma = (torch.cat([cond["negative_embeds"][prompt_index], embeds]),
@@ -344,10 +349,10 @@ class Flux2KleinAdapter(Adapter):
         return self.guided(out, self.guidance) if self.cfg else out.float()
 
     @torch.no_grad()
-    def decode(self, latents, resolution):
+    def decode(self, latents, size):
         """Tokens (M, L, 4C) -> images (M, 3, H, W) in [0, 1]: undo the batch-norm normalisation, unpatchify, decode."""
-        vae, side = self.pipe.vae, resolution // (self.pipe.vae_scale_factor * 2)
-        z = latents.transpose(1, 2).reshape(latents.shape[0], -1, side, side).to(self.device, vae.dtype)
+        vae, (h, w) = self.pipe.vae, (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        z = latents.transpose(1, 2).reshape(latents.shape[0], -1, h, w).to(self.device, vae.dtype)
         mean = vae.bn.running_mean.view(1, -1, 1, 1)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
         images = vae.decode(self.pipe._unpatchify_latents(z * std + mean), return_dict=False)[0]
@@ -385,16 +390,16 @@ class QwenImageAdapter(Adapter):
             cond["negative_embeds"], cond["negative_mask"] = encode([self.negative_prompt] * len(prompts))
         return cond
 
-    def noise(self, generators, resolution):
+    def noise(self, generators, size):
         """One standard normal latent per generator, packed into 2x2 patches: (B, L, 4C)."""
-        h = w = 2 * (resolution // (self.pipe.vae_scale_factor * 2))
+        h, w = (2 * (side // (self.pipe.vae_scale_factor * 2)) for side in hw(size))
         shape = (self.transformer.config.in_channels // 4, h, w)
         latents = prompt_noise(generators, shape, "cpu")  # (B, C, h, w)
         return self.pipe._pack_latents(latents, len(generators), *shape).to(self.device)  # (B, L, 4C)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; true CFG with norm rescaling above 1."""
-        side = resolution // self.pipe.vae_scale_factor // 2  # tokens per side
+        h, w = (side // self.pipe.vae_scale_factor // 2 for side in hw(size))  # tokens per column and row
         embeds, mask, sigma = cond["prompt_embeds"][prompt_index], cond["mask"][prompt_index], sigma.to(self.device)
         if self.cfg:  # the negative caption first, both padded to one length (masked, as the pipeline's batches are)
             negative, negative_mask = cond["negative_embeds"][prompt_index], cond["negative_mask"][prompt_index]
@@ -406,18 +411,18 @@ class QwenImageAdapter(Adapter):
         with self.kernels():  # autocast, the phase's attention kernels (kernels.py)
             out = transformer(hidden_states=latents, encoder_hidden_states=embeds,
                               encoder_hidden_states_mask=None if bool(mask.all()) else mask, timestep=sigma,
-                              img_shapes=[[(1, side, side)]] * latents.shape[0], return_dict=False)[0]
+                              img_shapes=[[(1, h, w)]] * latents.shape[0], return_dict=False)[0]
         if not self.cfg:
             return out.float()
         guided, conditional = self.guided(out, self.guidance), out.float().chunk(2)[1]
         return guided * (conditional.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
     @torch.no_grad()
-    def decode(self, latents, resolution):
+    def decode(self, latents, size):
         """Tokens (M, L, 4C) -> images (M, 3, H, W) in [0, 1]: unpack to one frame, undo the per-channel
         normalisation, decode."""
         vae = self.pipe.vae
-        z = self.pipe._unpack_latents(latents, resolution, resolution, self.pipe.vae_scale_factor)  # (M, C, 1, h, w)
+        z = self.pipe._unpack_latents(latents, *hw(size), self.pipe.vae_scale_factor)  # (M, C, 1, h, w)
         mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std, device=self.device).view(1, -1, 1, 1, 1)
         images = vae.decode((z.to(self.device) * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
@@ -452,13 +457,13 @@ class WanAdapter(Adapter):
                                                    max_sequence_length=self.max_sequence_length)  # (B, T, D) each
         return {"prompt_embeds": embeds, **({"negative_embeds": negative} if negative is not None else {})}
 
-    def noise(self, generators, resolution):
+    def noise(self, generators, size):
         vae = self.pipe.vae.config
         frames = (self.num_frames - 1) // vae.scale_factor_temporal + 1
-        shape = (self.transformer.config.in_channels, frames, *(2 * [resolution // vae.scale_factor_spatial]))
+        shape = (self.transformer.config.in_channels, frames, *(side // vae.scale_factor_spatial for side in hw(size)))
         return prompt_noise(generators, shape, self.device)  # (B, C, F', h, w)
 
-    def velocity(self, transformer, cond, latents, sigma, prompt_index, resolution):
+    def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """latents (M, C, F', h, w) -> (M, C, F', h, w) float32; guided v_u + w (v_c - v_u) with CFG."""
         embeds, t = cond["prompt_embeds"][prompt_index], sigma.to(self.device) * 1000  # Wan takes t = 1000 sigma
         if self.cfg:
@@ -470,7 +475,7 @@ class WanAdapter(Adapter):
         return self.guided(out, self.guidance) if self.cfg else out.float()
 
     @torch.no_grad()
-    def decode(self, latents, resolution):
+    def decode(self, latents, size):
         """latents (M, C, F', h, w) -> videos (M, 3, F, H, W) in [0, 1]: undo the per-channel normalisation, decode."""
         vae = self.pipe.vae
         mean = torch.tensor(vae.config.latents_mean, device=self.device).view(1, -1, 1, 1, 1)

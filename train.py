@@ -61,9 +61,9 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
     gens = generators(args.seed, it, positions)
     B, G = len(batch), args.group_size
     if args.same_noise:
-        noise = policy.adapter.noise(gens, args.resolution)  # (B, ...)
+        noise = policy.adapter.noise(gens, args.size)  # (B, ...)
     else:  # each member its own initial noise, drawn in turn from its prompt's generator (Flow-GRPO)
-        noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.resolution)
+        noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.size)
         noise = noise.unflatten(0, (B, G))  # (B, G, ...)
 
     # 2. rollout with the current policy, no gradients
@@ -144,7 +144,7 @@ def score(args, adapter, reward_models, latents, prompts):
     """Decode latents (M, ...) in micro-batches and score them with every reward model: (M, R)."""
     scores = []
     for i in range(0, latents.shape[0], args.reward_batch_size):
-        images = adapter.decode(latents[i : i + args.reward_batch_size], args.resolution)
+        images = adapter.decode(latents[i : i + args.reward_batch_size], args.size)
         batch = prompts[i : i + args.reward_batch_size]
         scores.append(torch.stack([fn(images, batch).cpu() for fn in reward_models.fns.values()], -1))
     return torch.cat(scores)  # (M, R)
@@ -217,11 +217,11 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
             chunk = mine[start : start + args.max_batch]
             prompts = [eval_prompts[p] for p, _ in chunk]
             cond = policy.adapter.encode(prompts)
-            noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.resolution)  # (b, ...)
+            noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.size)  # (b, ...)
             velocity_fn = interruptible(make_velocity_fn(args, policy, policy.transformer, cond))
             x0 = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch)
             for i in range(0, len(chunk), args.reward_batch_size):
-                images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.resolution)  # (b', 3, H, W)
+                images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.size)  # (b', 3, H, W)
                 batch = chunk[i : i + args.reward_batch_size]
                 for r, fn in enumerate(fns.values()):
                     scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
@@ -454,7 +454,7 @@ def _shard(module, dtype, device, mesh=None):
 
 def make_velocity_fn(args, policy, module, cond):
     """v(x, sigma | prompt) of `module` (the transformer, or its DDP wrapper in the update)."""
-    return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.resolution)
+    return lambda x, sigma, idx: policy.adapter.velocity(module, cond, x, sigma, idx, args.size)
 
 
 def base_velocity_fn(args, policy, cond):
@@ -467,7 +467,7 @@ def base_velocity_fn(args, policy, cond):
     def base_velocity(x, sigma, idx):
         policy.transformer.disable_adapters()
         try:
-            return policy.adapter.velocity(policy.transformer, cond, x, sigma, idx, args.resolution)
+            return policy.adapter.velocity(policy.transformer, cond, x, sigma, idx, args.size)
         finally:
             policy.transformer.enable_adapters()
 

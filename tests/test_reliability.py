@@ -48,6 +48,7 @@ BAD_INPUTS = [
     (["--granularities", "0", "1"], "strides >= 1"),
     (["--group-size", "1"], "at least 2 samples"),
     (["--resolution", "30"], "not a multiple of 16"),
+    (["--width", "40"], "--width 40 is not a multiple of 16"),
     (["--rewards", "hsp=1"], "unknown reward 'hsp'; known rewards: hps"),
     (["--rewards", "shapes=x"], "not a number"),
     (["--model-path", "/no/such/folder"], "neither a folder nor a hub id"),

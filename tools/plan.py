@@ -464,7 +464,7 @@ def _plan(args, fake, log, mesh=None):
     steps = train.trained_steps(args, 0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = train.generators(args.seed, 0, range(B))
-    noise = adapter.noise(generators, args.resolution)  # (B, ...) real: the rollout runs for real
+    noise = adapter.noise(generators, args.size)  # (B, ...) real: the rollout runs for real
     rows, notes = [], []
     kernels = cuda_attention(args.attention_backend, args.rollout_attention_backend)
     values = NoValues() if fake else contextlib.nullcontext()
@@ -501,7 +501,7 @@ def _plan(args, fake, log, mesh=None):
         final = rollout.final_latents.flatten(0, 3)  # (M, ...)
         n = min(args.reward_batch_size, final.shape[0])
         batch = final[:n]  # the rollout's own tensors: fake in the plan, real in its CPU check
-        reward = measure(lambda: [fn(adapter.decode(batch, args.resolution), prompts[:1] * n)
+        reward = measure(lambda: [fn(adapter.decode(batch, args.size), prompts[:1] * n)
                                   for fn in reward_fns.values()], resident_cond + rollout_tensors, fsdp)
         scored = final.shape[0] + (B if rollout.anchor_final is not None else 0)
         rows.append(Row(f"decode + reward, batch {n}", reward, math.ceil(scored / n)))
@@ -648,7 +648,7 @@ def report(args, rows, notes, evaluations) -> str:
     mode = ("LoRA rank %d" % args.lora_rank if args.lora_rank else "full fine-tune") + (
         ", FSDP2 over %d GPUs" % args.gpus if args.gpus > 1 and not args.lora_rank else
         ", DDP over %d GPUs" % args.gpus if args.gpus > 1 else ", 1 GPU")
-    lines = [f"plan: --model {args.model}, {mode}, {args.resolution}^2, G {args.group_size}, N {args.num_steps}, "
+    lines = [f"plan: --model {args.model}, {mode}, {args.size[0]}x{args.size[1]}, G {args.group_size}, N {args.num_steps}, "
              f"{args.mixed_precision}, per rank; simulated on fake tensors, not measured on hardware", "",
              "| phase | peak GiB | weights | grads | optimizer | activations | other | TFLOP per call | calls | "
              "time floor s |", "|---|---|---|---|---|---|---|---|---|---|"]
