@@ -65,6 +65,7 @@ EVAL_DEFAULTS = {
     "flux2": dict(seeds=1, batch_size=8, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "qwenimage": dict(seeds=1, batch_size=4, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "wan": dict(seeds=1, batch_size=2, metrics=["hps", "clip", "pickscore", "imagereward"]),
+    "wan22": dict(seeds=1, batch_size=1, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "tiny": dict(batch_size=64, metrics=["shapes"]),
 }
 
@@ -180,8 +181,8 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
     else the model family's preset."""
     model = args.model or config.get("model") or fallback.get("model")
     if model is None:
-        fail("no model: pass --model flux|sd3|zimage|flux2|qwenimage|wan|tiny, or a --checkpoint whose run folder "
-             "holds config.json")
+        fail(f"no model: pass --model {'|'.join(flags.PRESETS)}, or a --checkpoint whose run folder holds "
+             f"config.json")
     out = {"model": model}
     for key in SETTINGS[1:]:
         flag = getattr(args, key)

@@ -74,10 +74,10 @@ def how_to_write(path: str) -> str:
 @dataclass
 class TrainArgs:
     # --- model ---
-    model: Literal["flux", "sd3", "zimage", "flux2", "qwenimage", "wan", "tiny"] = "flux"
+    model: Literal["flux", "sd3", "zimage", "flux2", "qwenimage", "wan", "wan22", "tiny"] = "flux"
     """Model family and preset of defaults: flux (FLUX.1, the paper's), sd3 (SD3 / SD3.5, CFG), zimage (Z-Image-Turbo),
-    flux2 (FLUX.2 klein 4B), qwenimage (Qwen-Image, true CFG), wan (Wan 2.1 text-to-video 1.3B, CFG), tiny
-    (built-in, CPU)."""
+    flux2 (FLUX.2 klein 4B), qwenimage (Qwen-Image, true CFG), wan (Wan 2.1 text-to-video 1.3B, CFG), wan22 (Wan 2.2
+    TI2V 5B, text-to-video, CFG), tiny (built-in, CPU)."""
     model_path: str = "black-forest-labs/FLUX.1-dev"
     """A diffusers pipeline folder or hub id. Ignored by --model tiny, which builds its own."""
     guidance: float = 3.5
@@ -129,7 +129,8 @@ class TrainArgs:
     width: int = 0
     """Image (or video frame) width in pixels, when it is not --resolution (0: --resolution); the same multiple."""
     num_frames: int = 1
-    """Video models (--model wan): frames per sample, 4k + 1 (the VAE packs 4 frames a latent frame). Images: 1."""
+    """Video models (--model wan, wan22): frames per sample, 4k + 1 (the VAE packs 4 frames a latent frame). Images:
+    1."""
     reward_frames: int = 1
     """Video models: the rewards score every this-many-th frame and average (an image reward per frame)."""
     num_steps: int = 16
@@ -324,6 +325,13 @@ PRESETS = {
                 width=832,
                 num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3], group_size=8,
                 max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
+    # Wan 2.2 TI2V 5B as its card's text-to-video example samples it: 1280 x 704, 121 frames, 50 steps, guidance 5,
+    # and its shift 5 (the Wan 2.2 repository's sample shift for ti2v-5B); its VAE is 16x, so sides are multiples of
+    # 32. The rollout and reward frames as Wan 2.1's preset
+    "wan22": dict(model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", guidance=5.0, max_sequence_length=512,
+                  resolution=704, width=1280, num_frames=121, reward_frames=4, num_steps=50, shift=5.0,
+                  sde_steps=[0, 1, 2, 3], group_size=8, max_batch=4, reward_batch_size=4, lora_rank=32, lr=1e-4,
+                  output_dir="runs/wan22"),
     # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
     # 96 held-out images, a success rate's standard error about 0.05, in training; the first and last evaluations
     # take 96 seeds, 1,152 images: at most 0.015 (8.7 s each on 2 cores)
@@ -554,26 +562,32 @@ def _model_index(path: str) -> dict:
 def folder_family(path: str) -> str | None:
     """The family of a local pipeline folder by its model_index.json's `_class_name`, or None (a hub id, no such
     file, or a pipeline class of no family here)."""
-    name = _model_index(path).get("_class_name")
-    return next((family for family, pipeline in PIPELINES.items() if pipeline == name), None)
+    index = _model_index(path)
+    if index.get("_class_name") == "WanPipeline":  # Wan 2.2 TI2V 5B is the one that expands its timesteps per token
+        return "wan22" if index.get("expand_timesteps") else "wan"
+    return next((family for family, pipeline in PIPELINES.items() if pipeline == index.get("_class_name")), None)
+
+
+VIDEO_MODELS = ("wan", "wan22")
 
 
 def frames_problem(model: str, num_frames: int, name: str) -> str | None:
     """Why `num_frames` (the setting `name`) does not suit `model`, in one line, or None: Wan takes 4k + 1 frames,
     image models 1."""
-    if model == "wan" and (num_frames < 1 or (num_frames - 1) % 4):
+    if model in VIDEO_MODELS and (num_frames < 1 or (num_frames - 1) % 4):
         return (f"{name} {num_frames}: Wan takes 4k + 1 frames (the VAE packs 4 frames a latent frame); use e.g. "
                 f"{max(1, (num_frames - 1) // 4 * 4 + 1)}")
-    if model != "wan" and num_frames != 1:
-        return f"{name} {num_frames} is for video models (--model wan); --model {model} makes images"
+    if model not in VIDEO_MODELS and num_frames != 1:
+        return f"{name} {num_frames} is for video models (--model wan, wan22); --model {model} makes images"
     return None
 
 
 def reward_frames_problem(model: str, num_frames: int, reward_frames: int, name: str) -> str | None:
     """Why scoring every `reward_frames`-th frame (the setting `name`) does not suit `model` and `num_frames`, in one
     line, or None: it is for video models, and at most the frame count (past it only frame 0 would be scored)."""
-    if model != "wan" and reward_frames != 1:
-        return f"{name} {reward_frames} is for video models (--model wan); --model {model} makes images, so drop it"
+    if model not in VIDEO_MODELS and reward_frames != 1:
+        return (f"{name} {reward_frames} is for video models (--model wan, wan22); --model {model} makes images, so "
+                f"drop it")
     if reward_frames > num_frames:
         return (f"{name} {reward_frames} is more than the {num_frames} frames: only frame 0 would be scored; use at "
                 f"most {num_frames} (1 = every frame)")

@@ -485,6 +485,7 @@ class WanAdapter(Adapter):
 
 
 ADAPTERS = {"flux": FluxAdapter, "tiny": FluxAdapter, "sd3": SD3Adapter, "zimage": ZImageAdapter,
-            "flux2": Flux2KleinAdapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter}
+            "flux2": Flux2KleinAdapter, "qwenimage": QwenImageAdapter, "wan": WanAdapter, "wan22": WanAdapter}
 # image sides must be multiples of the VAE factor times the transformer's 2x2 patch (the tiny VAE downsamples by 2)
-RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16, "qwenimage": 16, "wan": 16}
+RESOLUTION_MULTIPLE = {"flux": 16, "sd3": 16, "tiny": 4, "zimage": 16, "flux2": 16, "qwenimage": 16, "wan": 16,
+                       "wan22": 32}  # Wan 2.2 TI2V 5B's VAE is 16x

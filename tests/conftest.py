@@ -188,6 +188,32 @@ def build_wan_pipeline(seed=0):
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
+def build_wan22_pipeline(seed=0):
+    """A randomly initialised tiny Wan 2.2 TI2V-style WanPipeline: 48 latent channels, the residual VAE that packs
+    2x2 pixels before its 8x (16x in all, so sides are multiples of 32), timesteps expanded per token."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    import tiny
+
+    torch.manual_seed(seed)
+    tokenizer = tiny.build_tokenizers()[1]
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                               eos_token_id=1, decoder_start_token_id=0))
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=48, out_channels=48, text_dim=32, freq_dim=32, ffn_dim=32,
+                                        num_layers=2, rope_max_seq_len=32)
+    stats = torch.Generator().manual_seed(seed)  # per-channel statistics as a trained VAE has them
+    vae = AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                           patch_size=2, scale_factor_spatial=16,
+                           latents_mean=(torch.rand(48, generator=stats) - 0.5).tolist(),
+                           latents_std=(torch.rand(48, generator=stats) + 0.5).tolist())
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True)
+
+
 def _saved(factory, build):
     path = str(factory.mktemp(build.__name__) / "pipeline")
     build().save_pretrained(path)
@@ -197,6 +223,11 @@ def _saved(factory, build):
 @pytest.fixture(scope="session")
 def wan_path(tmp_path_factory):
     return _saved(tmp_path_factory, build_wan_pipeline)
+
+
+@pytest.fixture(scope="session")
+def wan22_path(tmp_path_factory):
+    return _saved(tmp_path_factory, build_wan22_pipeline)
 
 
 @pytest.fixture(scope="session")

@@ -114,11 +114,13 @@ def test_guidance_set_after_loading_switches_cfg(tmp_path):
     assert adapter.cfg and adapter.forwards_per_velocity == 2 and "negative_embeds" in adapter.encode(PROMPTS)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "wan"])
-def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, qwenimage_path, wan_path):
-    if family == "wan":  # with its guidance: two image-forwards a velocity
-        adapter = WanAdapter.load(wan_path, "cpu", torch.float32, guidance=5.0, max_sequence_length=16, num_frames=5)
-        assert adapter.forwards_per_velocity == 2 and adapter.noise([torch.Generator()], 32).shape == (1, 16, 2, 4, 4)
+@pytest.mark.parametrize("family", [*FAMILIES, "wan", "wan22"])
+def test_fast_rollout_equals_the_papers_loop(family, zimage_path, flux2_path, qwenimage_path, wan_path, wan22_path):
+    if family in ("wan", "wan22"):  # with its guidance: two image-forwards a velocity
+        path, channels, side = (wan_path, 16, 4) if family == "wan" else (wan22_path, 48, 2)  # 8x, or 16x latents
+        adapter = WanAdapter.load(path, "cpu", torch.float32, guidance=5.0, max_sequence_length=16, num_frames=5)
+        assert adapter.forwards_per_velocity == 2
+        assert adapter.noise([torch.Generator()], 32).shape == (1, channels, 2, side, side)
     else:
         adapter = load(family, {"zimage": zimage_path, "flux2": flux2_path, "qwenimage": qwenimage_path}[family],
                        2.0 if family == "qwenimage" else 0.0)  # Qwen-Image with its true CFG
@@ -217,14 +219,37 @@ def test_a_wrong_resolution_is_refused_before_loading(family):
                                                             "factor x 2x2 patches); use e.g. 32")
 
 
-@pytest.mark.parametrize("lora", [0, 4])
-def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(lora, wan_path, tmp_path):
+@pytest.mark.parametrize("family", ["wan", "wan22"])
+def test_wan_samples_as_the_stock_pipeline(family, wan_path, wan22_path):
+    """At 32 x 64, 5 frames, CFG 5: the adapter's ODE videos are the stock WanPipeline's (Wan 2.2 TI2V's pipeline
+    expands the timestep per token; the adapter's one timestep a sample gives the same), given the same step spacing
+    (WanPipeline spaces its steps down to its scheduler's sigma_min unless told: docs/models.md)."""
+    path = {"wan": wan_path, "wan22": wan22_path}[family]
+    adapter = WanAdapter.load(path, "cpu", torch.float32, guidance=5.0, max_sequence_length=16, num_frames=5)
+    size = (32, 64)
+    noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(2)], size)
+    cond = adapter.encode(PROMPTS)
+    velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, size)
+    shift = adapter.pipe.scheduler.config.shift  # the tiny pipelines' fixed shifts: 3 (Wan 2.1), 5 (Wan 2.2)
+    ours = adapter.decode(ode_sample(velocity, noise, sigma_schedule(3, shift), max_batch=8), size)  # (B, 3, F, H, W)
+    scheduler, set_timesteps = adapter.pipe.scheduler, adapter.pipe.scheduler.set_timesteps
+    scheduler.set_timesteps = lambda n, device=None, **kw: set_timesteps(sigmas=[1 - i / n for i in range(n)],
+                                                                         device=device)
+    stock = adapter.pipe(prompt=PROMPTS, negative_prompt="", height=32, width=64, num_frames=5, num_inference_steps=3,
+                         latents=noise.clone(), guidance_scale=5.0, max_sequence_length=16, output_type="pt").frames
+    torch.testing.assert_close(ours, stock.transpose(1, 2), atol=1e-4, rtol=1e-4)  # stock: (B, F, 3, H, W)
+
+
+@pytest.mark.parametrize("family, lora", [("wan", 0), ("wan", 4), ("wan22", 4)])
+def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(family, lora, wan_path, wan22_path,
+                                                                        tmp_path):
     from diffusers import WanPipeline
 
-    out = str(tmp_path / "run")
-    proc = run_train(["--model", "wan", "--model-path", wan_path, "--output-dir", out, "--num-iterations", "2",
+    out, path = str(tmp_path / "run"), {"wan": wan_path, "wan22": wan22_path}[family]
+    width = {"wan": 48, "wan22": 64}[family]  # 32 x 48 (Wan 2.2: sides multiples of 32)
+    proc = run_train(["--model", family, "--model-path", path, "--output-dir", out, "--num-iterations", "2",
                       "--lora-rank", str(lora), "--lr", "1e-2", "--eval-every", "2", "--checkpoint-every", "2", *QUICK,
-                      "--num-frames", "5", "--reward-frames", "2", "--guidance", "5.0", "--width", "48"])  # 32 x 48
+                      "--num-frames", "5", "--reward-frames", "2", "--guidance", "5.0", "--width", str(width)])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["iteration"] for r in rows] == [0, 1, 2] and 0 <= rows[2]["eval/reward/shapes"] <= 1
     samples = os.path.join(out, "samples")
@@ -232,11 +257,11 @@ def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(lora, wa
     from PIL import Image
 
     assert Image.open(os.path.join(samples, "eval_iter_000002.gif")).n_frames == 5
-    assert Image.open(os.path.join(samples, "eval_iter_000002.png")).width > 4 * 48  # a strip of frames a sample
+    assert Image.open(os.path.join(samples, "eval_iter_000002.png")).width > 4 * width  # a strip of frames a sample
     assert "held-out eval reward" in proc.stdout
-    pipe = WanPipeline.from_pretrained(wan_path)
+    pipe = WanPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
-    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=48, num_frames=5, num_inference_steps=2,
+    sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=width, num_frames=5, num_inference_steps=2,
                           guidance_scale=5.0, generator=torch.Generator().manual_seed(0), max_sequence_length=16,
                           output_type="pt").frames
     before = sample()
@@ -246,13 +271,13 @@ def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(lora, wa
     else:
         pipe.transformer = type(pipe.transformer).from_pretrained(os.path.join(folder, "transformer"))
     after = sample()
-    assert after.shape[-2:] == (32, 48) and torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
+    assert after.shape[-2:] == (32, width) and torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
     if lora:  # evaluate.py on the video run: base against trained, scored over frames, a strip a sample in the grid
         import evaluate
 
         evaluate.main(["--checkpoint", out, "--prompt-file", QUICK[QUICK.index("--eval-prompt-file") + 1],
                        "--metrics", "shapes", "--num-prompts", "2", "--output-dir", str(tmp_path / "eval")])
-        assert Image.open(str(tmp_path / "eval" / "grid.png")).width > 2 * 4 * 48
+        assert Image.open(str(tmp_path / "eval" / "grid.png")).width > 2 * 4 * width
         assert len(json.load(open(str(tmp_path / "eval" / "results.json")))["rows"]) == 2
 
 
@@ -269,16 +294,17 @@ def test_an_image_reward_scores_a_video_as_the_mean_over_its_frames():
     torch.testing.assert_close(load_reward("shapes", frames_every=2)(video, prompts), per_frame[:, ::2].mean(1))
 
 
-@pytest.mark.parametrize("frames, message", [
-    (["--num-frames", "6"], "--num-frames 6: Wan takes 4k + 1 frames"),
-    (["--num-frames", "5", "--resolution", "40"], "--resolution 40 is not a multiple of 16"),
+@pytest.mark.parametrize("family, frames, message", [
+    ("wan", ["--num-frames", "6"], "--num-frames 6: Wan takes 4k + 1 frames"),
+    ("wan", ["--num-frames", "5", "--resolution", "40"], "--resolution 40 is not a multiple of 16"),
+    ("wan22", ["--num-frames", "5", "--width", "48"], "--width 48 is not a multiple of 32"),
 ])
-def test_wan_bad_input_is_refused_in_one_line_before_loading(frames, message):
-    proc = run_train(["--model", "wan", "--model-path", "/nonexistent/wan", *QUICK, *frames], check=False)
+def test_wan_bad_input_is_refused_in_one_line_before_loading(family, frames, message):
+    proc = run_train(["--model", family, "--model-path", f"/nonexistent/{family}", *QUICK, *frames], check=False)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_an_image_model_refuses_frames():
     proc = run_train(["--model", "zimage", "--model-path", "/nonexistent/zimage", *QUICK, "--num-frames", "5"],
                      check=False)
-    assert proc.returncode == 2 and "--num-frames 5 is for video models (--model wan)" in proc.stderr
+    assert proc.returncode == 2 and "--num-frames 5 is for video models (--model wan, wan22)" in proc.stderr

@@ -60,14 +60,17 @@ BAD_INPUTS = [
     (["--rewards", "shapes=nan"], "finite"),
     (["--rewards", "shapes=0"], "0"),
     (["--window-size", "9", "--num-steps", "8"], "longer than the schedule"),
-    (["--reward-frames", "4"], "is for video models (--model wan)"),
+    (["--reward-frames", "4"], "is for video models (--model wan, wan22)"),
 ]
 
 
-def test_a_folder_of_another_family_is_named(flux_path, sd3_path, capsys, tmp_path):
+def test_a_folder_of_another_family_is_named(flux_path, sd3_path, wan22_path, capsys, tmp_path):
     out = ["--output-dir", str(tmp_path / "run"), *QUICK]
     expect_error(capsys, ["--model", "sd3", "--model-path", flux_path, *out], "is a flux folder")
     expect_error(capsys, ["--model", "flux", "--model-path", sd3_path, *out], "use --model sd3")
+    # both Wans are WanPipeline folders: Wan 2.2 TI2V 5B's expands its timesteps per token
+    expect_error(capsys, ["--model", "wan", "--model-path", wan22_path, *out, "--num-frames", "5"],
+                 "is a wan22 folder")
     assert not (tmp_path / "run").exists()
 
 
