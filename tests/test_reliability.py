@@ -116,7 +116,7 @@ def test_bad_prompt_files(base, capsys, tmp_path):
 
 def test_unknown_model_and_world_size(base, capsys, monkeypatch):
     expect_error(capsys, ["--model", "sdxl"],
-                 "unknown --model 'sdxl'; choose one of: flux, sd3, zimage, flux2, qwenimage, wan, tiny")
+                 "unknown --model 'sdxl'; choose one of: flux, sd3, zimage, flux2, qwenimage, wan, wan22, tiny")
     expect_error(capsys, [*base, "--prompts-per-iteration", "2"], "does not split over 3 ranks",
                  env={"RANK": "0", "WORLD_SIZE": "3"}, monkeypatch=monkeypatch)
 
