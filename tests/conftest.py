@@ -166,19 +166,25 @@ def build_qwenimage_pipeline(seed=0):
                              transformer=transformer)
 
 
-def build_wan_pipeline(seed=0):
-    """A randomly initialised tiny WanPipeline (Wan 2.1 layout): UMT5, the video transformer, a video VAE that
-    packs 4 frames and 8x8 pixels into a latent."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+def _tiny_umt5():
+    """Wan's text side, tiny: the tiny world's T5 tokenizer and a 2-layer UMT5 encoder (seed torch first)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     import tiny
 
-    torch.manual_seed(seed)
     tokenizer = tiny.build_tokenizers()[1]
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                               num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                               eos_token_id=1, decoder_start_token_id=0))
+    return tokenizer, UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                  num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                                  eos_token_id=1, decoder_start_token_id=0))
+
+
+def build_wan_pipeline(seed=0):
+    """A randomly initialised tiny WanPipeline (Wan 2.1 layout): UMT5, the video transformer, a video VAE that
+    packs 4 frames and 8x8 pixels into a latent."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    tokenizer, text_encoder = _tiny_umt5()
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                         in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32,
                                         num_layers=2, rope_max_seq_len=32)
@@ -192,15 +198,9 @@ def build_wan22_pipeline(seed=0):
     """A randomly initialised tiny Wan 2.2 TI2V-style WanPipeline: 48 latent channels, the residual VAE that packs
     2x2 pixels before its 8x (16x in all, so sides are multiples of 32), timesteps expanded per token."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    import tiny
 
     torch.manual_seed(seed)
-    tokenizer = tiny.build_tokenizers()[1]
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                               num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                               eos_token_id=1, decoder_start_token_id=0))
+    tokenizer, text_encoder = _tiny_umt5()
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                         in_channels=48, out_channels=48, text_dim=32, freq_dim=32, ffn_dim=32,
                                         num_layers=2, rope_max_seq_len=32)
