@@ -223,6 +223,23 @@ def build_tokenizers():
     return clip, t5
 
 
+def build_chat_tokenizer():
+    """A word-level tokenizer over the tiny world's words with a chat template, built offline: the stand-in for
+    Qwen3's in the tests' tiny Z-Image and FLUX.2 pipelines and in tools/plan.py's (whose pipelines wrap each prompt
+    in the template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "\n", *sorted(set(WORDS))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                     pre_tokenizers.WhitespaceSplit()])
+    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }}\n{{ m['content'] }} <|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|> assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   eos_token="<|im_end|>", chat_template=template, model_max_length=32)
+
+
 def build_pipeline(seed: int, hidden: int = 64, layers: int = 2):
     """A randomly initialised tiny FluxPipeline (also used by the tests as a stand-in FLUX.1)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel

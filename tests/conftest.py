@@ -41,25 +41,6 @@ def build_sd3_pipeline(seed=0):
         tokenizer_3=t5_tok)
 
 
-def build_chat_tokenizer():
-    """A word-level tokenizer over the tiny world's words with a chat template (Qwen3-style pipelines wrap each
-    prompt in one), built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    import tiny
-
-    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "\n",
-             *sorted(set(tiny.WORDS))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
-                                                     pre_tokenizers.WhitespaceSplit()])
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }}\n{{ m['content'] }} <|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|> assistant\n{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   eos_token="<|im_end|>", chat_template=template, model_max_length=32)
-
-
 def _tiny_vae(vae_class=None, **scaling):
     from diffusers import AutoencoderKL
 
@@ -74,8 +55,10 @@ def build_zimage_pipeline(seed=0):
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
+    import tiny
+
     torch.manual_seed(seed)
-    tokenizer = build_chat_tokenizer()
+    tokenizer = tiny.build_chat_tokenizer()
     text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                           head_dim=16, max_position_embeddings=64))
@@ -93,8 +76,10 @@ def build_flux2_pipeline(seed=0, distilled=True):
                            Flux2Transformer2DModel)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    import tiny
+
     torch.manual_seed(seed)
-    tokenizer = build_chat_tokenizer()
+    tokenizer = tiny.build_chat_tokenizer()
     text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                                                 head_dim=16, max_position_embeddings=64, tie_word_embeddings=True))

@@ -48,6 +48,32 @@ def test_plan_matches_a_real_cpu_run(fused):
     assert_agree(*fused)
 
 
+def test_a_zimage_plan_matches_a_real_cpu_run(tmp_path):
+    """Another family through the same accounting: Z-Image (Qwen3 captions, unpadded lists, FLUX's VAE) from a
+    configuration folder of its own, small enough to run for real here (tools/configs/z-image-turbo at full size)."""
+    import json
+
+    configs = {"transformer": dict(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4,
+                                   cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32]),
+               "text_encoder": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    max_position_embeddings=64),
+               "vae": dict(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                           block_out_channels=[16, 16], layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                           mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False,
+                           shift_factor=0.1, scaling_factor=0.5)}
+    for name, config in configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+    root = os.path.dirname(plan.ROOT)
+    args = flags.parse_args(["--model", "zimage", "--configs", str(tmp_path), "--resolution", "32", "--num-steps", "4",
+                             "--sde-steps", "0", "1", "--group-size", "4", "--prompts-per-iteration", "2",
+                             "--max-sequence-length", "32", "--rewards", "shapes=1.0", "--mixed-precision", "no",
+                             "--no-gradient-checkpointing", "--eval-seeds", "1",
+                             "--prompt-file", os.path.join(root, "prompts", "tiny_train.txt"),
+                             "--eval-prompt-file", os.path.join(root, "prompts", "tiny_eval.txt")], plan.PlanArgs)
+    assert_agree(plan.plan(args, fake=True, log=lambda m: None)[0], plan.plan(args, fake=False, log=lambda m: None)[0])
+
+
 def test_plan_counts_the_math_kernels_scores(fused):
     """The math kernel holds the attention scores: the fake run must count them as the real one allocates them."""
     simulated, real = plans("--attention-backend", "math", "--rollout-attention-backend", "math")

@@ -40,6 +40,7 @@ Run:
     python -m tools.plan --model flux --lora-rank 64 --offload-text-encoders
     python -m tools.plan --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
     python -m tools.plan --model sd3                                             # SD3.5 Medium, LoRA
+    python -m tools.plan --model zimage                                          # Z-Image-Turbo, LoRA (1 min here)
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
 """
 import contextlib
@@ -71,7 +72,7 @@ from sampler import sigma_schedule
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
 EXPORT_GB = EXPORT_SHARD_BYTES / 1e9
-CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium"}
+CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium", "zimage": "configs/z-image-turbo"}
 # reward models the plan can build from a configuration: name -> (config file, builder)
 REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
                   "pickscore": "pickscore.json", "aesthetic": "aesthetic_clip.json"}
@@ -86,7 +87,8 @@ class PlanArgs(flags.Args):
     peak_tflops: float = 989.0
     """Dense bf16 peak of one GPU in TFLOP/s (H100 / H200 SXM: 989; A100: 312), for the time floor."""
     configs: str = ""
-    """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium)."""
+    """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium,
+    configs/z-image-turbo)."""
     disk_gb_per_s: float = 1.0
     """Write and read bandwidth of the checkpoint folder per rank in GB/s, for the checkpoint's time."""
     grace_s: float = 30.0
@@ -98,11 +100,16 @@ class PlanArgs(flags.Args):
 # ---------------------------------------------------------------------------------------------------------------
 class NoValues(TorchDispatchMode):
     """Python numbers read from fake tensors (a loss logged with float(), AdamW's step count) are 1: they have no
-    values. Nothing the plan measures depends on them; the rollout, whose structure does, runs on real tensors."""
+    values. Nothing the plan measures depends on them; the rollout, whose structure does, runs on real tensors.
+    A mask applied to a fake tensor (Z-Image's pipeline keeps each caption's tokens so) keeps every element: captions
+    are counted at their full --max-sequence-length, an upper bound."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 1.0 if args[0].dtype.is_floating_point else 1
+        if (func is torch.ops.aten.index.Tensor and isinstance(args[0], FakeTensor) and len(args[1]) == 1
+                and args[1][0] is not None and args[1][0].dtype == torch.bool):  # x[mask]: every element kept
+            return args[0].reshape(-1, *args[0].shape[args[1][0].dim():]).clone()
         return func(*args, **(kwargs or {}))
 
 
@@ -294,6 +301,8 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
                            SD3Transformer2DModel, StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    if args.model == "zimage":
+        return _build_zimage(args, folder, dtype, transformer_dtype, fake_mode)
     clip_tokenizer, t5_tokenizer = tiny.build_tokenizers()
     clip_tokenizer.model_max_length, t5_tokenizer.model_max_length = 77, 512
     with building(dtype, fake_mode):
@@ -317,6 +326,26 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
     return StableDiffusion3Pipeline(scheduler=scheduler, vae=vae, transformer=transformer,
                                     text_encoder=clips[0], tokenizer=clip_tokenizer, text_encoder_2=clips[1],
                                     tokenizer_2=clip_tokenizer, text_encoder_3=t5, tokenizer_3=t5_tokenizer)
+
+
+def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
+    """Z-Image: a Qwen3 text encoder (its last layer but one is the caption), the single-stream transformer, FLUX's
+    VAE. The stand-in chat tokenizer makes captions of a few tokens: a real prompt's hundred or so add little
+    beside 4,096 image tokens at 1024^2."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    import tiny
+
+    with building(dtype, fake_mode):
+        vae = _built(lambda: AutoencoderKL(**_json(folder, "vae.json")), folder, "vae.json")
+        text_encoder = _built(lambda: Qwen3Model(Qwen3Config(**_json(folder, "text_encoder.json"))), folder,
+                              "text_encoder.json")
+    with building(transformer_dtype, fake_mode):
+        transformer = _built(lambda: ZImageTransformer2DModel(**_json(folder, "transformer.json")), folder,
+                             "transformer.json")
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift), vae=vae,
+                          text_encoder=text_encoder, tokenizer=tiny.build_chat_tokenizer(), transformer=transformer)
 
 
 def build_rewards(names, device, dtype, batch_size, fake_mode):
@@ -648,8 +677,9 @@ def report(args, rows, notes, evaluations) -> str:
     mode = ("LoRA rank %d" % args.lora_rank if args.lora_rank else "full fine-tune") + (
         ", FSDP2 over %d GPUs" % args.gpus if args.gpus > 1 and not args.lora_rank else
         ", DDP over %d GPUs" % args.gpus if args.gpus > 1 else ", 1 GPU")
-    lines = [f"plan: --model {args.model}, {mode}, {args.size[0]}x{args.size[1]}, G {args.group_size}, N {args.num_steps}, "
-             f"{args.mixed_precision}, per rank; simulated on fake tensors, not measured on hardware", "",
+    lines = [f"plan: --model {args.model}, {mode}, {args.size[0]}x{args.size[1]}, G {args.group_size}, "
+             f"N {args.num_steps}, {args.mixed_precision}, per rank; simulated on fake tensors, not measured on "
+             f"hardware", "",
              "| phase | peak GiB | weights | grads | optimizer | activations | other | TFLOP per call | calls | "
              "time floor s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
