@@ -48,29 +48,44 @@ def test_plan_matches_a_real_cpu_run(fused):
     assert_agree(*fused)
 
 
-def test_a_zimage_plan_matches_a_real_cpu_run(tmp_path):
-    """Another family through the same accounting: Z-Image (Qwen3 captions, unpadded lists, FLUX's VAE) from a
-    configuration folder of its own, small enough to run for real here (tools/configs/z-image-turbo at full size)."""
+SMALL_FAMILIES = {  # configurations small enough to run for real here (tools/configs/ holds the full sizes)
+    "zimage": ([], {
+        "transformer": dict(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4,
+                            cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32]),
+        "text_encoder": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64),
+        "vae": dict(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                    block_out_channels=[16, 16], layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                    mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1,
+                    scaling_factor=0.5)}),
+    "wan": (["--num-frames", "5", "--reward-frames", "2", "--width", "48"], {  # video, 32 x 48
+        "transformer": dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                            out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+        "text_encoder": dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                             relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                             decoder_start_token_id=0),
+        "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                    temperal_downsample=[False, True, True])}),
+}
+
+
+@pytest.mark.parametrize("family", SMALL_FAMILIES)
+def test_another_familys_plan_matches_a_real_cpu_run(family, tmp_path):
+    """Other families through the same accounting, each from a configuration folder of its own: Z-Image (Qwen3
+    captions, unpadded lists, FLUX's VAE) and Wan (video latents, the causal video VAE, rewards over frames)."""
     import json
 
-    configs = {"transformer": dict(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_heads=4,
-                                   cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32]),
-               "text_encoder": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    max_position_embeddings=64),
-               "vae": dict(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-                           block_out_channels=[16, 16], layers_per_block=1, latent_channels=4, norm_num_groups=8,
-                           mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False,
-                           shift_factor=0.1, scaling_factor=0.5)}
+    extra, configs = SMALL_FAMILIES[family]
     for name, config in configs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(config))
     root = os.path.dirname(plan.ROOT)
-    args = flags.parse_args(["--model", "zimage", "--configs", str(tmp_path), "--resolution", "32", "--num-steps", "4",
+    args = flags.parse_args(["--model", family, "--configs", str(tmp_path), "--resolution", "32", "--num-steps", "4",
                              "--sde-steps", "0", "1", "--group-size", "4", "--prompts-per-iteration", "2",
-                             "--max-sequence-length", "32", "--rewards", "shapes=1.0", "--mixed-precision", "no",
-                             "--no-gradient-checkpointing", "--eval-seeds", "1",
+                             "--max-sequence-length", "16" if family == "wan" else "32", "--rewards", "shapes=1.0",
+                             "--mixed-precision", "no", "--no-gradient-checkpointing", "--eval-seeds", "1",
                              "--prompt-file", os.path.join(root, "prompts", "tiny_train.txt"),
-                             "--eval-prompt-file", os.path.join(root, "prompts", "tiny_eval.txt")], plan.PlanArgs)
+                             "--eval-prompt-file", os.path.join(root, "prompts", "tiny_eval.txt"), *extra],
+                            plan.PlanArgs)
     assert_agree(plan.plan(args, fake=True, log=lambda m: None)[0], plan.plan(args, fake=False, log=lambda m: None)[0])
 
 

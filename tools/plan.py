@@ -41,6 +41,7 @@ Run:
     python -m tools.plan --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
     python -m tools.plan --model sd3                                             # SD3.5 Medium, LoRA
     python -m tools.plan --model zimage                                          # Z-Image-Turbo, LoRA (1 min here)
+    python -m tools.plan --model wan                                             # Wan 2.1, 832 x 480 x 81 frames
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
 """
 import contextlib
@@ -72,7 +73,8 @@ from sampler import sigma_schedule
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
 EXPORT_GB = EXPORT_SHARD_BYTES / 1e9
-CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium", "zimage": "configs/z-image-turbo"}
+CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium", "zimage": "configs/z-image-turbo",
+           "wan": "configs/wan2.1-t2v-1.3b"}
 # reward models the plan can build from a configuration: name -> (config file, builder)
 REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
                   "pickscore": "pickscore.json", "aesthetic": "aesthetic_clip.json"}
@@ -87,8 +89,7 @@ class PlanArgs(flags.Args):
     peak_tflops: float = 989.0
     """Dense bf16 peak of one GPU in TFLOP/s (H100 / H200 SXM: 989; A100: 312), for the time floor."""
     configs: str = ""
-    """Folder of the model's published configurations (default: configs/flux1-dev, configs/sd3.5-medium,
-    configs/z-image-turbo)."""
+    """Folder of the model's published configurations (default: the family's folder in tools/configs/)."""
     disk_gb_per_s: float = 1.0
     """Write and read bandwidth of the checkpoint folder per rank in GB/s, for the checkpoint's time."""
     grace_s: float = 30.0
@@ -303,6 +304,8 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
 
     if args.model == "zimage":
         return _build_zimage(args, folder, dtype, transformer_dtype, fake_mode)
+    if args.model == "wan":
+        return _build_wan(args, folder, dtype, transformer_dtype, fake_mode)
     clip_tokenizer, t5_tokenizer = tiny.build_tokenizers()
     clip_tokenizer.model_max_length, t5_tokenizer.model_max_length = 77, 512
     with building(dtype, fake_mode):
@@ -346,6 +349,27 @@ def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
                              "transformer.json")
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift), vae=vae,
                           text_encoder=text_encoder, tokenizer=tiny.build_chat_tokenizer(), transformer=transformer)
+
+
+def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
+    """Wan 2.1: UMT5-XXL's encoder, the video transformer, the causal video VAE (kept in fp32, as the adapter does)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    import tiny
+
+    tokenizer = tiny.build_tokenizers()[1]
+    tokenizer.model_max_length = 512
+    with building(dtype, fake_mode):
+        text_encoder = _built(lambda: UMT5EncoderModel(UMT5Config(**_json(folder, "text_encoder.json"))), folder,
+                              "text_encoder.json")
+    with building(torch.float32, fake_mode):
+        vae = _built(lambda: AutoencoderKLWan(**_json(folder, "vae.json")), folder, "vae.json")
+    with building(transformer_dtype, fake_mode):
+        transformer = _built(lambda: WanTransformer3DModel(**_json(folder, "transformer.json")), folder,
+                             "transformer.json")
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift))
 
 
 def build_rewards(names, device, dtype, batch_size, fake_mode):
@@ -473,6 +497,8 @@ def _plan(args, fake, log, mesh=None):
     fsdp = (policy.transformer, policy.optimizer) if mesh is not None else None
     reward_fns, reward_modules, skipped = build_rewards(list(rewards.parse_rewards(args.rewards)), device,
                                                         dtype, args.reward_batch_size, fake_mode)
+    if args.num_frames > 1:  # a video scores the mean over its frames, as rewards.load_reward wraps them for train.py
+        reward_fns = {name: rewards.over_frames(fn, args.reward_frames) for name, fn in reward_fns.items()}
     log(f"built the models from {os.path.relpath(folder, ROOT) if args.model != 'tiny' else 'tiny.py'} "
         f"({time.time() - started:.0f} s)")
     # AdamW's state exists from the first step on: create it (zero gradients, one step) so every phase counts it
