@@ -144,8 +144,17 @@ class EMA:
 
 
 class Preempted(Exception):
-    """A stop was asked during a rollout or an evaluation (`Run.interruptible`): nothing of the iteration in flight
-    has changed the weights, so the run stops there and saves the last completed iteration."""
+    """A stop was asked during a rollout, its scoring or an evaluation (`Run.check_stop`): nothing of the iteration
+    in flight has changed the weights, so the run stops there and saves the last completed iteration."""
+
+
+def checked(check_stop, fn):
+    """`fn`, calling `check_stop` (Run.check_stop, or nothing) before each call."""
+    def call(*args):
+        check_stop()
+        return fn(*args)
+
+    return call
 
 
 WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so that --resume continues that run
@@ -282,9 +291,9 @@ class Run:
                 os._exit(130)
             raise SystemExit(130)
         self.stop_requested = True
-        self.log(f"\nreceived signal {signum}: stopping at the next transformer call of the rollout (which is dropped "
-                 f"and reruns on --resume), or after the update, and saving a checkpoint (send it again to abort "
-                 f"without saving)")
+        self.log(f"\nreceived signal {signum}: stopping at the next transformer call or reward batch of the rollout "
+                 f"(which is dropped and reruns on --resume), or after the update, and saving a checkpoint (send it "
+                 f"again to abort without saving)")
 
     def stopped(self, iteration: int, line: str):
         """The stop's checkpoint (of `iteration`) is written: say so (train.py then leaves with os._exit, since a
@@ -295,15 +304,12 @@ class Run:
     def should_stop(self) -> bool:
         return any_rank(self.stop_requested, self.distributed)
 
-    def interruptible(self, velocity_fn):
-        """`velocity_fn`, which first raises Preempted once a stop was asked on any rank. Rollouts and evaluations
-        call it, and every rank makes the same calls there, so all ranks stop at the same one."""
-        def checked(*args):
-            if self.should_stop():
-                raise Preempted
-            return velocity_fn(*args)
-
-        return checked
+    def check_stop(self):
+        """Raise Preempted once a stop was asked on any rank. Rollouts and evaluations call it before every
+        transformer call and the scoring before every reward batch (`checked`); every rank makes the same calls
+        there, so all ranks stop at the same one."""
+        if self.should_stop():
+            raise Preempted
 
     # ---- metrics: one strict-JSON line per iteration, an optional tracker ----
     def resume_metrics(self, iteration: int) -> dict:

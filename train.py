@@ -41,7 +41,7 @@ from advantage import granular_advantages, step_credit
 from flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask, update_loss
 from models import ADAPTERS, ModelLoadError, add_lora
-from run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend,
+from run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend, checked,
                  eval_noise_generator)
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
@@ -50,9 +50,10 @@ from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, 
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
 def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, first_update_check=None,
-              interruptible=lambda velocity_fn: velocity_fn):
-    """One G2RPO iteration on this rank's prompts; returns its metrics (floats). `interruptible` wraps the rollout's
-    velocity (run.Run.interruptible: a stop asked then drops the iteration before it changes anything)."""
+              check_stop=lambda: None):
+    """One G2RPO iteration on this rank's prompts; returns its metrics (floats). `check_stop` runs before every
+    transformer call of the rollout and every reward batch of its scoring (run.Run.check_stop: a stop asked then
+    drops the iteration before it changes anything)."""
     t0 = time.time()
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
     global_batch = args.global_batch(world)
@@ -68,14 +69,14 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
 
     # 2. rollout with the current policy, no gradients
     steps = trained_steps(args, it)
-    rollout = sample_rollout(args, interruptible(make_velocity_fn(args, policy, policy.transformer, cond)), noise,
-                             sigmas, gens, steps)
+    rollout = sample_rollout(args, checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond)),
+                             noise, sigmas, gens, steps)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
     J, K = rollout.final_latents.shape[1:3]
     scores = score(args, policy.adapter, reward_models, rollout.final_latents.flatten(0, 3),
-                   [p for p in batch for _ in range(J * K * G)])
+                   [p for p in batch for _ in range(J * K * G)], check_stop)
     scores = scores.view(B, J, K, G, -1)  # (B, J, K, G, R)
     metrics = reward_metrics(args, policy.adapter, reward_models, rollout, scores, batch)
     t2 = time.time()
@@ -140,10 +141,12 @@ def batch_prompts(prompts, seed, iteration, global_batch, rank, per_rank):
 
 
 @torch.no_grad()
-def score(args, adapter, reward_models, latents, prompts):
-    """Decode latents (M, ...) in micro-batches and score them with every reward model: (M, R)."""
+def score(args, adapter, reward_models, latents, prompts, check_stop=lambda: None):
+    """Decode latents (M, ...) in micro-batches and score them with every reward model: (M, R). `check_stop` runs
+    before each micro-batch."""
     scores = []
     for i in range(0, latents.shape[0], args.reward_batch_size):
+        check_stop()
         images = adapter.decode(latents[i : i + args.reward_batch_size], args.size)
         batch = prompts[i : i + args.reward_batch_size]
         scores.append(torch.stack([fn(images, batch).cpu() for fn in reward_models.fns.values()], -1))
@@ -194,7 +197,7 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
 
 @torch.no_grad()
 def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None,
-                  interruptible=lambda velocity_fn: velocity_fn):
+                  check_stop=lambda: None):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
     with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
     of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
@@ -218,7 +221,7 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
             prompts = [eval_prompts[p] for p, _ in chunk]
             cond = policy.adapter.encode(prompts)
             noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.size)  # (b, ...)
-            velocity_fn = interruptible(make_velocity_fn(args, policy, policy.transformer, cond))
+            velocity_fn = checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond))
             x0 = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch)
             for i in range(0, len(chunk), args.reward_batch_size):
                 images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.size)  # (b', 3, H, W)
@@ -256,7 +259,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     sigmas = sigma_schedule(args.num_steps, args.shift)
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
-                                                distributed, seeds, run.interruptible)
+                                                distributed, seeds, run.check_stop)
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                                  policy.adapter.pipeline_class, policy.params, policy.ema,
                                  final=done == args.num_iterations)
@@ -281,8 +284,8 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     for it in bar:
         try:
             metrics = iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, check,
-                                run.interruptible)
-        except Preempted:  # during the rollout: the weights are still those of iteration `it`
+                                run.check_stop)
+        except Preempted:  # during the rollout or its scoring: the weights are still those of iteration `it`
             bar.close()
             if it > saved:
                 save(it)

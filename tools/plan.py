@@ -649,19 +649,20 @@ def checkpoint_cost(args, policy, world) -> str:
 
 
 def preemption_cost(args, rows, policy) -> str:
-    """How long a SIGTERM's stop takes (run.Run.interruptible): the rollout's transformer call in flight, or at worst
-    the scoring and the update that follow the rollout, which run to their end; then one checkpoint's write. Nothing
-    is staged in host memory for it, and no disk is used for it between preemptions."""
+    """How long a SIGTERM's stop takes (run.Run.check_stop): the rollout's transformer call or the reward batch in
+    flight, or at worst the update, which runs to its end; then one checkpoint's write. Nothing is staged in host
+    memory for it, and no disk is used for it between preemptions."""
     floor = lambda row, calls: row.cost.flops * calls / (args.peak_tflops * 1e12)
     rollout, reward, update = (next(r for r in rows if r.phase.startswith(name))
                                for name in ("rollout", "decode", "update"))
-    call, worst = floor(rollout, 1), floor(reward, reward.calls) + floor(update, update.calls)
+    call, batch, whole_update = floor(rollout, 1), floor(reward, 1), floor(update, update.calls)
+    worst = max(call, batch, whole_update)
     write = checkpoint_bytes(policy)[0] / (args.disk_gb_per_s * 1e9)
     verdict = "within" if worst + write <= args.grace_s else "beyond"
-    return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or at worst after "
-            f"the scoring and update ({worst:.1f} s), then writes one checkpoint ({write:.0f} s): {worst + write:.0f} "
-            f"s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real kernels run slower than the "
-            f"floor); no host memory or disk is used for it until then")
+    return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or reward batch "
+            f"({batch:.1f} s), or at worst after the update ({whole_update:.1f} s), then writes one checkpoint "
+            f"({write:.0f} s): {worst + write:.0f} s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real "
+            f"kernels run slower than the floor); no host memory or disk is used for it until then")
 
 
 def args_eval_prompt_count(args):
