@@ -349,7 +349,7 @@ def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_si
     from sampler import ode_sample, sigma_schedule
 
     sigmas = sigma_schedule(settings["num_steps"], settings["shift"])  # (N + 1,)
-    size = (settings["height"] or settings["resolution"], settings["width"] or settings["resolution"])  # (H, W)
+    size = flags.image_size(settings["resolution"], settings["height"], settings["width"])  # (H, W)
     scores = {name: [] for name in metric_fns}
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]

@@ -265,8 +265,8 @@ class TrainArgs:
     # --- what follows from the flags, defined once (properties and methods are not flags) ---------------------------
     @property
     def size(self) -> tuple[int, int]:
-        """(height, width) in pixels: --height and --width, each --resolution where 0."""
-        return self.height or self.resolution, self.width or self.resolution
+        """(height, width) in pixels (`image_size`)."""
+        return image_size(self.resolution, self.height, self.width)
 
     @property
     def full(self) -> bool:
@@ -281,6 +281,12 @@ class TrainArgs:
     def global_batch(self, world: int) -> int:
         """Prompts per iteration over all `world` ranks: --prompts-per-iteration, or one per rank when it is 0."""
         return self.prompts_per_iteration or world
+
+
+def image_size(resolution: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) in pixels: --height and --width, each --resolution where 0 (train.py's flags, or a run's
+    config.json as evaluate.py reads it)."""
+    return height or resolution, width or resolution
 
 
 def lora_alpha(rank: int, alpha: float) -> float:
@@ -319,12 +325,11 @@ PRESETS = {
                       num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
                       output_dir="runs/qwenimage"),
     # Wan 2.1 T2V 1.3B as its card samples it: 832 x 480, 81 frames, 50 steps, flow shift 3, guidance 5. Rewards score
-    # every 4th frame. A video-sized
-    # rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the image presets' 0..7 and G 12)
+    # every 4th frame. A video-sized rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the
+    # image presets' 0..7 and G 12)
     "wan": dict(model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, max_sequence_length=512, resolution=480,
-                width=832,
-                num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3], group_size=8,
-                max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
+                width=832, num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3],
+                group_size=8, max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
     # Wan 2.2 TI2V 5B as its card's text-to-video example samples it: 1280 x 704, 121 frames, 50 steps, guidance 5,
     # and its shift 5 (the Wan 2.2 repository's sample shift for ti2v-5B); its VAE is 16x, so sides are multiples of
     # 32. The rollout and reward frames as Wan 2.1's preset

@@ -327,16 +327,20 @@ class Flux2KleinAdapter(Adapter):
             cond["negative_embeds"] = encode([""] * len(prompts))[0]
         return cond
 
+    def patch_grid(self, size) -> tuple[int, int]:
+        """The rows and columns of the VAE's 2x2 latent patches (the tokens) of an image of `size`."""
+        return tuple(side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+
     def noise(self, generators, size):
         """Standard normal latents drawn as the VAE's 2x2 patches (4C, h/2, w/2), flattened to (B, L, 4C)."""
-        h, w = (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        h, w = self.patch_grid(size)
         shape = (self.transformer.config.in_channels, h, w)
         latents = prompt_noise(generators, shape, "cpu")  # (B, 4C, h/2, w/2)
         return self.pipe._pack_latents(latents).to(self.device)  # (B, L, 4C)
 
     def velocity(self, transformer, cond, latents, sigma, prompt_index, size):
         """v(x, sigma | prompt): latents (M, L, 4C) -> (M, L, 4C) float32; guided with CFG (the base models)."""
-        h, w = (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        h, w = self.patch_grid(size)
         image_ids = self.pipe._prepare_latent_ids(latents.new_empty(1, 1, h, w))[0].to(self.device)  # (L, 4)
         embeds, sigma = cond["prompt_embeds"][prompt_index], sigma.to(self.device)
         if self.cfg:
@@ -351,7 +355,7 @@ class Flux2KleinAdapter(Adapter):
     @torch.no_grad()
     def decode(self, latents, size):
         """Tokens (M, L, 4C) -> images (M, 3, H, W) in [0, 1]: undo the batch-norm normalisation, unpatchify, decode."""
-        vae, (h, w) = self.pipe.vae, (side // (self.pipe.vae_scale_factor * 2) for side in hw(size))
+        vae, (h, w) = self.pipe.vae, self.patch_grid(size)
         z = latents.transpose(1, 2).reshape(latents.shape[0], -1, h, w).to(self.device, vae.dtype)
         mean = vae.bn.running_mean.view(1, -1, 1, 1)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
@@ -404,6 +408,7 @@ class QwenImageAdapter(Adapter):
         if self.cfg:  # the negative caption first, both padded to one length (masked, as the pipeline's batches are)
             negative, negative_mask = cond["negative_embeds"][prompt_index], cond["negative_mask"][prompt_index]
             length = max(embeds.shape[1], negative.shape[1])
+            # the caption axis (dim 1) padded at its end; an embedding's last (feature) axis left as it is
             pad = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]))
             embeds, mask = torch.cat([pad(negative), pad(embeds)]), torch.cat([pad(negative_mask), pad(mask)])
             latents, sigma = torch.cat([latents, latents]), torch.cat([sigma, sigma])

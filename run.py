@@ -273,9 +273,9 @@ class Run:
 
     # ---- signals: the first stops the run at the next point where its state is whole and saves it; the second
     # aborts at once. A scheduler's grace (torchrun's 30 s) is shorter than an iteration of a large model, so the
-    # stop does not wait for the iteration's end: rollouts and evaluations change no state, and a stop asked
-    # during one drops the iteration in flight (which reruns the same on --resume, its noise and prompts following
-    # the seed and the iteration alone) and saves the last completed one ----
+    # stop does not wait for the iteration's end: rollouts, their scoring and evaluations change no state, and a
+    # stop asked during one drops the iteration in flight (which reruns the same on --resume, its noise and prompts
+    # following the seed and the iteration alone) and saves the last completed one ----
     def catch_signals(self):
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 

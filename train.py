@@ -289,9 +289,9 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             bar.close()
             if it > saved:
                 save(it)
+            written = "written" if it else "none: no iteration was complete"
             run.stopped(it, f"stopped during iteration {it + 1}, before its update (it reruns on --resume); the "
-                            f"checkpoint of iteration {it} is {'written' if it else 'none: no iteration was complete'}; "
-                            f"continue with the same command plus --resume")
+                            f"checkpoint of iteration {it} is {written}; continue with the same command plus --resume")
             return
         metrics = all_mean(metrics, distributed)
         if not metrics["faults/nonfinite_rewards"]:

@@ -21,18 +21,20 @@ PROMPTS = ["a red circle on the left", "two blue squares"]
 FAMILIES = ["zimage", "flux2", "qwenimage"]
 
 
-def stock_shift(family, steps):
-    """The time shift the stock pipeline applies at 32²: Z-Image's and SD3's fixed 3, FLUX.2's exp(mu) at 64 tokens,
-    Qwen-Image's exp(mu) at 4 tokens (its scheduler's dynamic shift)."""
-    if family in ("zimage", "sd3"):
+def stock_shift(family, steps, size=(32, 32)):
+    """The time shift the stock pipeline applies at `size`: Z-Image's, SD3's and the tiny FLUX.1's fixed 3, FLUX.2's
+    exp(mu) of its empirical mu at H W / 16 image positions (64 at 32²), Qwen-Image's exp(mu) of its dynamic shift
+    at its H W / 256 tokens (4 at 32²)."""
+    if family in ("zimage", "sd3", "flux"):
         return 3.0
+    tokens = size[0] * size[1]
     if family == "qwenimage":
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        return math.exp(calculate_shift(4, 256, 8192, 0.5, 0.9))
+        return math.exp(calculate_shift(tokens // 256, 256, 8192, 0.5, 0.9))
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-    return math.exp(compute_empirical_mu(64, steps))
+    return math.exp(compute_empirical_mu(tokens // 16, steps))
 
 
 def load(family, path, guidance):
@@ -183,16 +185,8 @@ def test_a_non_square_size_samples_as_the_stock_pipeline(family, flux_path, sd3_
     noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(2)], size)
     cond = adapter.encode(PROMPTS)
     velocity = lambda x, s, i: adapter.velocity(adapter.transformer, cond, x, s, i, size)
-    shift = {"flux": 3.0, "sd3": 3.0}.get(family) or stock_shift(family, 3)
-    if family == "flux2":  # its empirical mu at 32 x 48: 96 tokens
-        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
-
-        shift = math.exp(compute_empirical_mu(96, 3))
-    elif family == "qwenimage":  # its dynamic shift at 6 tokens
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        shift = math.exp(calculate_shift(6, 256, 8192, 0.5, 0.9))
-    ours = adapter.decode(ode_sample(velocity, noise, sigma_schedule(3, shift), max_batch=8), size)
+    ours = adapter.decode(ode_sample(velocity, noise, sigma_schedule(3, stock_shift(family, 3, size)), max_batch=8),
+                          size)
     assert ours.shape == (2, 3, 32, 48)
     options = dict(guidance_scale=3.5 if family == "flux" else 0.0, max_sequence_length=16 if family in ("flux", "sd3")
                    else 32)

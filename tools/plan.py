@@ -101,7 +101,8 @@ class PlanArgs(flags.Args):
 # ---------------------------------------------------------------------------------------------------------------
 class NoValues(TorchDispatchMode):
     """Python numbers read from fake tensors (a loss logged with float(), AdamW's step count) are 1: they have no
-    values. Nothing the plan measures depends on them; the rollout, whose structure does, runs on real tensors.
+    values. Nothing the plan measures depends on them; the rollout's structure depends on shapes and on the sigma
+    schedule, which stays real.
     A mask applied to a fake tensor (Z-Image's pipeline keeps each caption's tokens so) keeps every element: captions
     are counted at their full --max-sequence-length, an upper bound."""
 
@@ -276,10 +277,11 @@ def _json(folder, name):
     return config
 
 
-def _built(make, folder, name):
-    """`make()`, a model built from `folder`/`name`, or one error line when the configuration cannot build it."""
+def _built(folder, name, make):
+    """`make(**config)`, the model of the configuration `folder`/`name`, or one error line when it cannot build it."""
+    config = _json(folder, name)
     try:
-        return make()
+        return make(**config)
     except Exception as err:  # the constructors raise every kind: TypeError, ValueError, AssertionError, ...
         fail(f"{os.path.join(folder, name)} does not build its model ({type(err).__name__}: "
              f"{str(err).splitlines()[0] if str(err) else ''}); restore it from tools/configs/")
@@ -298,30 +300,28 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
             with building(transformer_dtype, fake_mode):
                 pipe.transformer = tiny.build_pipeline(seed=0).transformer
         return pipe
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
     if args.model == "zimage":
         return _build_zimage(args, folder, dtype, transformer_dtype, fake_mode)
     if args.model == "wan":
         return _build_wan(args, folder, dtype, transformer_dtype, fake_mode)
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
     clip_tokenizer, t5_tokenizer = tiny.build_tokenizers()
     clip_tokenizer.model_max_length, t5_tokenizer.model_max_length = 77, 512
     with building(dtype, fake_mode):
-        vae = _built(lambda: AutoencoderKL(**_json(folder, "vae.json")), folder, "vae.json")
-        t5_name = "text_encoder_2.json" if args.model == "flux" else "text_encoder_3.json"
-        t5 = _built(lambda: T5EncoderModel(T5Config(**_json(folder, t5_name))), folder, t5_name)
+        vae = _built(folder, "vae.json", AutoencoderKL)
+        t5 = _built(folder, "text_encoder_2.json" if args.model == "flux" else "text_encoder_3.json",
+                    lambda **c: T5EncoderModel(T5Config(**c)))
         if args.model == "flux":
-            clip = _built(lambda: CLIPTextModel(CLIPTextConfig(**_json(folder, "text_encoder.json"))), folder,
-                          "text_encoder.json")
+            clip = _built(folder, "text_encoder.json", lambda **c: CLIPTextModel(CLIPTextConfig(**c)))
         else:
-            clips = [_built(lambda s=s: CLIPTextModelWithProjection(CLIPTextConfig(**_json(
-                folder, f"text_encoder{s}.json"))), folder, f"text_encoder{s}.json") for s in ("", "_2")]
+            clip_with_projection = lambda **c: CLIPTextModelWithProjection(CLIPTextConfig(**c))
+            clips = [_built(folder, f"text_encoder{s}.json", clip_with_projection) for s in ("", "_2")]
     with building(transformer_dtype, fake_mode):
-        transformer_class = FluxTransformer2DModel if args.model == "flux" else SD3Transformer2DModel
-        transformer = _built(lambda: transformer_class(**_json(folder, "transformer.json")), folder,
-                             "transformer.json")
+        transformer = _built(folder, "transformer.json",
+                             FluxTransformer2DModel if args.model == "flux" else SD3Transformer2DModel)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
     if args.model == "flux":
         return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tokenizer,
@@ -341,12 +341,10 @@ def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
     import tiny
 
     with building(dtype, fake_mode):
-        vae = _built(lambda: AutoencoderKL(**_json(folder, "vae.json")), folder, "vae.json")
-        text_encoder = _built(lambda: Qwen3Model(Qwen3Config(**_json(folder, "text_encoder.json"))), folder,
-                              "text_encoder.json")
+        vae = _built(folder, "vae.json", AutoencoderKL)
+        text_encoder = _built(folder, "text_encoder.json", lambda **c: Qwen3Model(Qwen3Config(**c)))
     with building(transformer_dtype, fake_mode):
-        transformer = _built(lambda: ZImageTransformer2DModel(**_json(folder, "transformer.json")), folder,
-                             "transformer.json")
+        transformer = _built(folder, "transformer.json", ZImageTransformer2DModel)
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift), vae=vae,
                           text_encoder=text_encoder, tokenizer=tiny.build_chat_tokenizer(), transformer=transformer)
 
@@ -361,13 +359,11 @@ def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
     tokenizer = tiny.build_tokenizers()[1]
     tokenizer.model_max_length = 512
     with building(dtype, fake_mode):
-        text_encoder = _built(lambda: UMT5EncoderModel(UMT5Config(**_json(folder, "text_encoder.json"))), folder,
-                              "text_encoder.json")
+        text_encoder = _built(folder, "text_encoder.json", lambda **c: UMT5EncoderModel(UMT5Config(**c)))
     with building(torch.float32, fake_mode):
-        vae = _built(lambda: AutoencoderKLWan(**_json(folder, "vae.json")), folder, "vae.json")
+        vae = _built(folder, "vae.json", AutoencoderKLWan)
     with building(transformer_dtype, fake_mode):
-        transformer = _built(lambda: WanTransformer3DModel(**_json(folder, "transformer.json")), folder,
-                             "transformer.json")
+        transformer = _built(folder, "transformer.json", WanTransformer3DModel)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift))
 
@@ -661,8 +657,8 @@ def preemption_cost(args, rows, policy) -> str:
     verdict = "within" if worst + write <= args.grace_s else "beyond"
     return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or reward batch "
             f"({batch:.1f} s), or at worst after the update ({whole_update:.1f} s), then writes one checkpoint "
-            f"({write:.0f} s): {worst + write:.0f} s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real "
-            f"kernels run slower than the floor); no host memory or disk is used for it until then")
+            f"({write:.0f} s): {worst + write:.0f} s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; "
+            f"real kernels run slower than the floor); no host memory or disk is used for it until then")
 
 
 def args_eval_prompt_count(args):
