@@ -23,7 +23,7 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import rewards
-from kernels import ATTENTION_BACKENDS
+from kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
 from models import ADAPTERS, RESOLUTION_MULTIPLE
 from sampler import KL_FORMS, SDE_TYPES, granular_schedule, sigma_schedule
 
@@ -104,12 +104,18 @@ class TrainArgs:
     exact one."""
     rollout_attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Attention kernel of the no-grad rollout and evaluation (forward only)."""
+    rollout_precision: Literal[ROLLOUT_PRECISIONS] = "bf16"
+    """bf16: every rollout forward in the run's precision. fp8: the forwards that only make images to score (the
+    ODE completions, the anchor's untrained steps: 1,700 of the 1,708 a prompt at the FLUX preset) run on a compiled
+    FP8 copy of the transformer (torchao, per-row scales; CUDA compute capability 8.9+; requirements-fp8.txt); the
+    trained steps, whose log-probabilities the update divides by, the update and the evaluations stay as they are."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks (regional compilation): a faster rollout and update after a
     compile of a minute or so on the first iteration."""
     gradient_check: bool = True
-    """Compare the first update's gradient with the math attention kernel's (and fp32's) and stop the run if they
-    disagree: a wrong kernel would otherwise skip or corrupt every step of a long GPU run."""
+    """The first update's self-checks: compare its gradient with the math attention kernel's (and fp32's), and its
+    first step's ratio with 1, and stop the run if either is off: a wrong kernel would otherwise skip or corrupt
+    every step of a long GPU run."""
     # --- data and output ---
     prompt_file: str = "prompts/hpdv2_train.txt"
     """Training prompts, one a line (python -m tools.hpdv2 writes HPDv2's)."""
@@ -637,6 +643,10 @@ def check_flags(args, world: int, log=print):
         if value % multiple:
             fail(f"{name} {value} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
                  f"use e.g. {value // multiple * multiple or multiple}")
+    if args.rollout_precision == "fp8":
+        problem = fp8_problem(world, args.full)
+        if problem:
+            fail(problem)
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
              f"use a multiple of {world}")

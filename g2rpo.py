@@ -95,7 +95,7 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, eta, cli
     ratio = log_ratio.exp()
     return {"loss": loss, "kl": kl, "approx_kl": float(0.5 * (log_ratio**2).mean()),
             "clipfrac": float(((ratio - 1).abs() > clip_range).float().mean()),
-            "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max())}
+            "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()), "ratio_min": float(ratio.min())}
 
 
 def random_step_mask(generators, num_steps, group_size, fraction):
@@ -124,7 +124,9 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
                  kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None, all_sum=None, world=1):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
-    grad_norm (over the steps taken), and the counts optimizer_steps and skipped_steps.
+    ratio_min (the min), grad_norm (over the steps taken), the counts optimizer_steps and skipped_steps, and
+    first_ratio_error: max |r - 1| over the members of the first step scored, before any optimizer step, where the
+    policy is still the rollout's and r is 1 up to rounding (nan where this rank scored none there).
 
     When the optimizer steps (the peers differ, docs/baselines.md):
       step_per_sde_step:        one step per trained step k, on the mean over its members (the G2RPO reference code);
@@ -169,13 +171,17 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
                                                    loss_scale=1.0, weights=weights, sync_rows=sync_rows, **options))
                 if step_per_sde_step or ki == K - 1:
                     grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
+    first = per_step[0] if per_step else None  # scored before the first optimizer step
     per_step = [s for s in per_step if s is not None]  # (steps no member of this rank trains give None)
     if not per_step:
-        per_step = [dict(loss=0.0, kl=0.0, approx_kl=0.0, clipfrac=0.0, ratio_mean=1.0, ratio_max=1.0)]
+        per_step = [dict(loss=0.0, kl=0.0, approx_kl=0.0, clipfrac=0.0, ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0)]
     stats = {name: sum(s[name] for s in per_step) / len(per_step) for name in per_step[0]}
     if weighted and grad_norms:  # each entry holds its share of an optimizer step's objective: the mean objective
         stats.update({name: sum(s[name] for s in per_step) / len(grad_norms) for name in ("loss", "kl")})
     stats["ratio_max"] = max(s["ratio_max"] for s in per_step)
+    stats["ratio_min"] = min(s["ratio_min"] for s in per_step)
+    stats["first_ratio_error"] = (max(first["ratio_max"] - 1, 1 - first["ratio_min"]) if first is not None
+                                  else float("nan"))
     taken = [g for g in grad_norms if math.isfinite(g)]
     stats["grad_norm"] = sum(taken) / len(taken) if taken else float("nan")
     stats["optimizer_steps"], stats["skipped_steps"] = len(taken), len(grad_norms) - len(taken)

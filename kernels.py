@@ -7,12 +7,17 @@ checkpointing whose recompute keeps the forward's kernels, and optional regional
 self-check (`check_gradient`) compares the update's gradient with the math kernel's, once, at a run's first update:
 a wrong kernel would otherwise skip or corrupt every step of a long GPU run. `g2rpo.update_loss` is the loss it checks.
 
+`Float8Copy` is the transformer's FP8 twin for the rollout's forwards that only make images (--rollout-precision
+fp8): torchao's dynamic float8 quantization with per-row scales on the blocks' linear layers, compiled.
+
 Deviation 11 of the README's list: on CUDA the update never uses cuDNN attention, and the first update's gradient is
 checked against the math kernel's.
 """
 import contextlib
+import copy
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +81,7 @@ def checkpoint_keeping_kernels(module, *args):
         context_fn=lambda: (contextlib.nullcontext(), sdpa_kernel(kernels)))
 
 
-def compile_blocks(transformer, backend: str = "inductor"):
+def compile_blocks(transformer, backend: str = "inductor", mode: str | None = None):
     """Regional compilation: torch.compile each repeated block (FLUX's double- and single-stream blocks, SD3's
     joint blocks), not the whole model. The blocks of a kind share one compiled graph, so compiling takes seconds to
     a minute instead of many, for nearly the speed of compiling the whole model. Graphs are built at the first call
@@ -86,13 +91,15 @@ def compile_blocks(transformer, backend: str = "inductor"):
     Each block's graph is rebuilt for every grad mode, batch size, input layout and resolution it meets (rollout,
     update, evaluation): 8 versions in 2 iterations of the tiny model, which is torch's default limit per block, past
     which it silently runs the block eager. On an H200 a FLUX-sized block that had met two resolutions ran at eager
-    speed (353 against 506 TFLOP/s), so the limit is raised to 64."""
+    speed (353 against 506 TFLOP/s), so the limit is raised to 64. `mode`: torch.compile's (tools/gpu_check.py
+    measures "max-autotune", which adds CUDA graphs)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    options = dict(backend=backend, **({"mode": mode} if mode else {}))
     if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks(backend=backend)
+        transformer.compile_repeated_blocks(**options)
     else:
         for block in transformer.transformer_blocks:
-            block.compile(backend=backend)
+            block.compile(**options)
 
 
 class Kernels:
@@ -178,6 +185,116 @@ class Kernels:
                 yield
         finally:
             self._exact, self._exact_fp32 = saved
+
+
+# --- FP8 rollouts ---------------------------------------------------------------------------------------------
+ROLLOUT_PRECISIONS = ("bf16", "fp8")
+TORCHAO_HINT = "pip install torchao==0.18.0 (requirements.txt pins it)"
+
+
+def fp8_problem(world: int, full: bool) -> str | None:
+    """Why this machine or run cannot take --rollout-precision fp8, in one line, or None. Checked before loading."""
+    if not torch.cuda.is_available():
+        return ("--rollout-precision fp8 needs a CUDA GPU with FP8 matrix multiplies (Ada, Hopper or newer); this "
+                "machine has none: drop the flag (bf16 is the default)")
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        return (f"--rollout-precision fp8 needs FP8 matrix multiplies (compute capability 8.9 or above: Ada, Hopper "
+                f"or newer); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}: drop the flag")
+    if world > 1 and full:
+        return (f"--rollout-precision fp8 does not support a full fine-tune on {world} ranks yet (FSDP2 shards the "
+                f"weights the FP8 copy would quantize); use one GPU, or LoRA (--lora-rank) on many")
+    try:
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        return f"--rollout-precision fp8 needs torchao, which is not installed: {TORCHAO_HINT}"
+    return None
+
+
+def _twin(module):
+    """A copy of a module tree that holds the same parameter and buffer tensors (no memory): replacing a parameter
+    of the twin, or adding a hook to it, leaves the original as it was. Compiled calls are not carried over (they
+    are bound to the original)."""
+    twin = copy.copy(module)
+    for name, value in vars(module).items():  # _parameters, _buffers, the hook dicts, ...: the twin's own
+        if isinstance(value, (dict, set)):
+            twin.__dict__[name] = copy.copy(value)
+    twin.__dict__["_modules"] = {name: None if child is None else _twin(child)
+                                 for name, child in module._modules.items()}
+    twin.__dict__["_compiled_call_impl"] = None
+    return twin
+
+
+def repeated_blocks(transformer):
+    """The transformer's repeated blocks (diffusers' `_repeated_blocks` classes, else its `transformer_blocks`):
+    where nearly all of its FLOPs are, and what regional compilation compiles."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or [])
+    if names:
+        return [m for m in transformer.modules() if type(m).__name__ in names]
+    return list(transformer.transformer_blocks)
+
+
+class Float8Copy:
+    """The transformer's FP8 twin for the forwards whose velocity no log-probability reads (sampler.py's
+    `image_only_fn`): every linear layer of its repeated blocks takes torchao's float8 dynamic activation and weight
+    quantization with per-row scales; everything else (embeddings, norms, biases, the LoRA adapters) is the
+    transformer's own tensors, shared, not copied. Its blocks are compiled (FP8 without compiling is slower than
+    bf16: the quantization of the activations is then a separate pass).
+
+    LoRA: the frozen base is quantized once and the adapters stay in their precision, shared with the trained
+    ones, so the twin follows every optimizer step at no cost. Full fine-tune: `refresh` re-quantizes every linear
+    layer from the current weights, after each update (its seconds: `refreshed_s`).
+    `dtype`: the run's compute dtype, which the weights are quantized from. `quantize`: the function that quantizes one linear layer in place (default torchao's; `round_to_fp8_rows` on a
+    CPU).
+    """
+
+    def __init__(self, transformer, dtype, compile="inductor", quantize=None):
+        self.source, self.module, self.dtype = transformer, _twin(transformer), dtype
+        self.quantize = quantize or _torchao_float8()
+        names = {m: name for name, m in self.module.named_modules()}
+        pairs = [(twin, source) for twin_block, block in zip(repeated_blocks(self.module), repeated_blocks(transformer))
+                 for (path, twin), source in zip(twin_block.named_modules(), block.modules())
+                 if isinstance(twin, torch.nn.Linear) and "lora_" not in path]
+        # FP8 matrix multiplies take sides that are multiples of 16
+        self.pairs = [(twin, source) for twin, source in pairs
+                      if twin.in_features % 16 == 0 and twin.out_features % 16 == 0]
+        self.names = [names[twin] for twin, _ in self.pairs]  # of the quantized layers, for the tests and logs
+        self.refreshed_s = 0.0
+        self.refresh()
+        if compile:
+            compile_blocks(self.module, compile)
+
+    @torch.no_grad()
+    def refresh(self):
+        """Quantize each chosen linear layer's current weight into the twin, from the run's compute dtype (`dtype`:
+        a full fine-tune's fp32 master weights are cast as autocast would cast them)."""
+        start = time.perf_counter()
+        for twin, source in self.pairs:
+            twin.weight = torch.nn.Parameter(source.weight.detach().to(self.dtype), requires_grad=False)
+            self.quantize(twin)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.refreshed_s = time.perf_counter() - start
+
+
+def round_to_fp8_rows(linear):
+    """The CPU stand-in for `_torchao_float8` (FP8 matrix multiplies need a GPU): each weight row scaled to e4m3's
+    largest value, 448, rounded to float8 and scaled back, in place. It makes the weight error of per-row FP8, not
+    its activation rounding, and none of its speed; the tests and `gpu_check.py --config small` route through it."""
+    w = linear.weight.detach().float()
+    scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448  # (out, 1)
+    linear.weight = torch.nn.Parameter(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(linear.weight.dtype),
+                                       requires_grad=False)
+
+
+def _torchao_float8():
+    """torchao's float8 dynamic activation and weight quantization with per-row scales, of one linear layer in
+    place. torchao's recommended inductor settings are not applied: they are global, and would change how the
+    update's compiled blocks are built too."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    return lambda linear: quantize_(linear, config)
 
 
 # --- the gradient self-check -------------------------------------------------------------------------------------

@@ -66,12 +66,13 @@ def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
     return torch.cat(parts).to(tensor.device)
 
 
-def _all_reduce_count(n: int, distributed: bool, op) -> int:
+def _all_reduce_count(n, distributed: bool, op):
+    """The reduction of a number over the ranks, of the number's type (int or float)."""
     if not distributed:
         return n
-    t = torch.tensor([float(n)])
+    t = torch.tensor([float(n)], dtype=torch.float64)
     dist.all_reduce(t, op=op)
-    return int(t.item())
+    return type(n)(t.item())
 
 
 def all_sum(n: int, distributed: bool) -> int:
@@ -79,7 +80,7 @@ def all_sum(n: int, distributed: bool) -> int:
     return _all_reduce_count(n, distributed, dist.ReduceOp.SUM)
 
 
-def all_max(n: int, distributed: bool) -> int:
+def all_max(n, distributed: bool):
     """The largest of every rank's n (each rank then makes as many forward calls as the busiest one)."""
     return _all_reduce_count(n, distributed, dist.ReduceOp.MAX)
 

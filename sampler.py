@@ -18,7 +18,11 @@ The baselines sample G whole trajectories per prompt instead: `rollout_full_sde`
 
 A model enters only as a velocity function `velocity_fn(latents, sigma, prompt_index) -> velocity`, with latents
 (n, ...) in the model's own layout, a per-sample sigma (n,) and a per-sample index (n,) into the prompt batch, so
-branches at different steps and of different prompts share one transformer call.
+branches at different steps and of different prompts share one transformer call. A rollout may take a second one,
+`image_only_fn`, for the forwards whose velocity no log-probability reads: the anchor's (or a trajectory's) steps
+outside the trained set and every ODE completion. They only make the images that are scored, so they may run on a
+cheaper copy of the model (--rollout-precision fp8), while the trained steps, whose log-probabilities the update's
+ratio divides by, stay on `velocity_fn`.
 
 Shapes: B prompts, G group size, K SDE steps in M, J granularities in Lambda, N sampling steps, (...) the latent.
 
@@ -151,6 +155,19 @@ class CountingVelocity:
         self.velocity_fn, self.max_batch = velocity_fn, max_batch
         self.nfe, self.calls = 0, 0
 
+    @staticmethod
+    def pair(velocity_fn, image_only_fn, max_batch: int):
+        """Counters of the trained steps' forwards and of the image-only ones (the same counter without the latter)."""
+        forward = CountingVelocity(velocity_fn, max_batch)
+        return forward, (forward if image_only_fn is None else CountingVelocity(image_only_fn, max_batch))
+
+    @staticmethod
+    def totals(forward, image_forward) -> dict:
+        """A `Rollout`'s counts from the pair: nfe, calls, and image_only_nfe (0 where they are one counter)."""
+        both = [forward] if image_forward is forward else [forward, image_forward]
+        return dict(nfe=sum(c.nfe for c in both), calls=sum(c.calls for c in both),
+                    image_only_nfe=0 if image_forward is forward else image_forward.nfe)
+
     def __call__(self, latents, sigma, prompt_index):
         out = []
         for start in range(0, latents.shape[0], self.max_batch):
@@ -169,6 +186,8 @@ class Rollout:
     old_log_probs:  (B, K, G) its log-probability at sampling time
     final_latents:  (B, J, K, G, ...) each completion's final latent; full SDE: (B, 1, 1, G, ...), one per trajectory
     anchor_final:   (B, ...) the anchor's final latent (G2RPO only, scored for logging), else None
+    nfe, calls:     image-forwards and velocity calls of the whole rollout
+    image_only_nfe: how many of those forwards went to `image_only_fn` (0 without one)
     """
 
     latents: torch.Tensor
@@ -179,6 +198,7 @@ class Rollout:
     sde_steps: list
     nfe: int
     calls: int
+    image_only_nfe: int = 0
 
 
 def prompt_noise(generators, shape, device):
@@ -248,19 +268,21 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64,
-                  sde_type="flow"):
+                  sde_type="flow", image_only_fn=None):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
-    generators: B CPU torch.Generator, one per prompt, for its members' SDE noise.
+    generators: B CPU torch.Generator, one per prompt, for its members' SDE noise. image_only_fn: the velocity of
+    the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`).
 
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
-    forward = CountingVelocity(velocity_fn, max_batch)
+    forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
 
     # 2. anchor: the ODE trajectory from x_T, keeping the latent and the velocity at every step that branches
     anchor, velocities = [noise.float()], {}
     for i in range(len(sigmas) - 1):
-        v = forward(anchor[i], sigmas[i].expand(B).to(device), torch.arange(B, device=device))  # (B, ...)
+        v = (forward if i in sde_steps else image_forward)(
+            anchor[i], sigmas[i].expand(B).to(device), torch.arange(B, device=device))  # (B, ...)
         if i in sde_steps:
             velocities[i] = v
         anchor.append(sde_step(anchor[i], v, sigmas, i, eta=0.0)[0])
@@ -276,14 +298,14 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
         old_log_probs.append(log_prob.view(B, G))
 
     # 4. multi-granularity completion of every branch, granularities sharing forwards (deviation 1)
-    final = complete_granularities(forward, torch.stack(next_latents, 1), sigmas, sde_steps, granularities)
+    final = complete_granularities(image_forward, torch.stack(next_latents, 1), sigmas, sde_steps, granularities)
     return Rollout(
         latents=torch.stack([anchor[k] for k in sde_steps], 1).unsqueeze(2),  # (B, K, 1, ...)
         next_latents=torch.stack(next_latents, 1),  # (B, K, G, ...)
         old_log_probs=torch.stack(old_log_probs, 1),  # (B, K, G)
         final_latents=final,  # (B, J, K, G, ...)
         anchor_final=anchor[-1],  # (B, ...)
-        sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+        sde_steps=list(sde_steps), **CountingVelocity.totals(forward, image_forward))
 
 
 def complete_granularities(forward, next_latents, sigmas, sde_steps, granularities):
@@ -343,17 +365,18 @@ def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
 
 
 def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch,
-                         ode_elsewhere, sde_type="flow", member_noise=False, decode="sample"):
+                         ode_elsewhere, sde_type="flow", member_noise=False, decode="sample", image_only_fn=None):
     """G trajectories per prompt: SDE steps on every step, or only on `sde_steps` when `ode_elsewhere`; keeps the
     start latent, the sample and its log-prob at each step of `sde_steps`.
 
     noise: (B, ...) one initial noise per prompt, shared by its members (DanceGRPO, MixGRPO), or with `member_noise`
     (B, G, ...), one per member (Flow-GRPO). decode: the latent a trajectory's image is decoded from, its final
     sample, or "x0": the x0_hat = x - sigma v of its last step (DanceGRPO; the same latent when that step is ODE).
+    image_only_fn: the velocity of the steps outside `sde_steps` (default `velocity_fn`).
     """
     B, G, device = noise.shape[0], group_size, noise.device
     shape = noise.shape[2:] if member_noise else noise.shape[1:]
-    forward = CountingVelocity(velocity_fn, max_batch)
+    forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
     # (B, ...) while the members are still one latent, then (B*G, ...)
     x, trained = (noise.flatten(0, 1) if member_noise else noise).float(), {}
     for i in range(len(sigmas) - 1):
@@ -361,7 +384,8 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         if stochastic and x.shape[0] == B:  # the members part at their first SDE step
             x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
         index = torch.arange(B, device=device).repeat_interleave(x.shape[0] // B)  # (B or B*G,)
-        v = forward(x, sigmas[i].expand(x.shape[0]).to(device), index)  # (B or B*G, ...)
+        v = (forward if i in sde_steps else image_forward)(
+            x, sigmas[i].expand(x.shape[0]).to(device), index)  # (B or B*G, ...)
         if not stochastic:
             x, _ = sde_step(x, v, sigmas, i, eta=0.0)
             continue
@@ -382,7 +406,7 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         next_latents=stack(1, x.view(B, G, *shape)),  # (B, K, G, ...)
         old_log_probs=stack(2, x.new_zeros(B, G)),  # (B, K, G)
         final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
-        anchor_final=None, sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+        anchor_final=None, sde_steps=list(sde_steps), **CountingVelocity.totals(forward, image_forward))
 
 
 def window_steps(iteration, *, num_steps, size, stride, every, schedule="wrap", end=0, seed=0):

@@ -67,10 +67,13 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
         noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.size)
         noise = noise.unflatten(0, (B, G))  # (B, G, ...)
 
-    # 2. rollout with the current policy, no gradients
+    # 2. rollout with the current policy, no gradients; with --rollout-precision fp8 the forwards that only make
+    # images (completions, the anchor's untrained steps) run on the FP8 copy, the trained steps on the policy
     steps = trained_steps(args, it)
+    image_only_fn = (checked(check_stop, make_velocity_fn(args, policy, policy.fp8.module, cond))
+                     if policy.fp8 is not None else None)
     rollout = sample_rollout(args, checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond)),
-                             noise, sigmas, gens, steps)
+                             noise, sigmas, gens, steps, image_only_fn)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
@@ -98,7 +101,7 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
     if finite_rewards and steps:  # (MixGRPO's empty window trains nothing)
         update_velocity = make_velocity_fn(args, policy, policy.model, cond)  # through DDP / FSDP2, with gradients
         if first_update_check is not None:
-            first_update_check(update_velocity, rollout, advantages)
+            first_update_check.before(update_velocity, rollout, advantages)
         stats = g2rpo_update(update_velocity, policy.params, policy.optimizer, rollout,
                              advantages, sigmas, eta=args.eta, clip_range=args.clip_range,
                              max_grad_norm=args.max_grad_norm, step_per_sde_step=args.step_per_sde_step,
@@ -107,6 +110,11 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
                              sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
                              member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed),
                              all_sum=lambda n: all_sum(n, distributed), world=world)
+        if first_update_check is not None:
+            first_update_check.after(stats)
+        if policy.fp8 is not None and args.full and stats["optimizer_steps"]:
+            policy.fp8.refresh()  # the full fine-tune's new weights, quantized for the next rollout
+            stats["fp8_refresh_s"] = policy.fp8.refreshed_s
     elif finite_rewards:
         stats = {"optimizer_steps": 0, "skipped_steps": 0}
     else:
@@ -115,12 +123,16 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
     if policy.ema is not None and stats["optimizer_steps"]:  # weights that did not move add nothing to average
         policy.ema.update(it + 1)
     t3 = time.time()
-    metrics.update({f"losses/{k}": v for k, v in stats.items() if k not in ("skipped_steps", "optimizer_steps")})
+    metrics.update({f"losses/{k}": v for k, v in stats.items()
+                    if k not in ("skipped_steps", "optimizer_steps", "fp8_refresh_s")})
+    if "fp8_refresh_s" in stats:
+        metrics["time/fp8_refresh"] = stats["fp8_refresh_s"]
     metrics.update({"faults/skipped_steps": stats["skipped_steps"],
                     "faults/nonfinite_rewards": float(not finite_rewards),
                     "perf/optimizer_steps": stats["optimizer_steps"],
                     # image-forwards of this iteration's rollouts on all ranks (each rank has as many prompts)
                     "perf/nfe": rollout.nfe * policy.adapter.forwards_per_velocity * world,
+                    "perf/image_only_nfe": rollout.image_only_nfe * policy.adapter.forwards_per_velocity * world,
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
                     "time/update": t3 - t2, "time/iteration": t3 - t0})
     return metrics
@@ -153,15 +165,17 @@ def score(args, adapter, reward_models, latents, prompts, check_stop=lambda: Non
     return torch.cat(scores)  # (M, R)
 
 
-def sample_rollout(args, velocity_fn, noise, sigmas, generators, steps):
-    """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window)."""
+def sample_rollout(args, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+    """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window). image_only_fn: the
+    velocity of the forwards outside the trained steps (sampler.py), or None for `velocity_fn`."""
     if args.sampling == "g2rpo":
         return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps,
                              granularities=args.granularities, eta=args.eta, max_batch=args.max_batch,
-                             sde_type=args.sde_type)
+                             sde_type=args.sde_type, image_only_fn=image_only_fn)
     return (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
         velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps, eta=args.eta,
-        max_batch=args.max_batch, sde_type=args.sde_type, member_noise=not args.same_noise, decode=args.decode)
+        max_batch=args.max_batch, sde_type=args.sde_type, member_noise=not args.same_noise, decode=args.decode,
+        image_only_fn=image_only_fn)
 
 
 def trained_steps(args, it):
@@ -277,7 +291,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         run.write_metrics(0, before)
     else:
         before = run.resume_metrics(start)
-    check = gradient_check(args, policy, sigmas, run.log)  # on this process's first update
+    check = FirstUpdateChecks(args, policy, sigmas, run.log, distributed) if args.gradient_check else None
     bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations, disable=not run.master,
                dynamic_ncols=True)
     metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
@@ -331,23 +345,47 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             run.log(tiny.quick_start_standing(metrics["eval/success/shapes"], changed_from_preset(args)))
 
 
-def gradient_check(args, policy, sigmas, log):
-    """A closure that checks the first update's gradient against the math attention kernel's (and fp32's where
-    the run is bf16 on fp32 weights) and stops the run with one line when they disagree; None when turned off.
-    It costs two or three forward-backward passes of one sample, once, and matters on accelerators, where the
-    fast kernels live (on the CPU it passes trivially)."""
-    if not args.gradient_check:
-        return None
+class FirstUpdateChecks:
+    """The self-checks of this process's first update (--gradient-check), which matter on accelerators, where the
+    fast kernels live (on the CPU both pass trivially):
+      before it, the gradient against the math attention kernel's (and fp32's where the run is bf16 on fp32
+      weights): two or three forward-backward passes of one sample, once;
+      after it, the first trained step's ratios against 1: before its first optimizer step the policy is the
+      rollout's, so they are 1 up to rounding (exactly 1 on the CPU, and on an H200 in bf16). A ratio off 1 means
+      the rollout's forwards at the trained steps are not the update's: another attention kernel, or another model
+      (an FP8 copy where the policy belongs). Past the clip range the update would clip steps it should take, and
+      the run stops; below it, a line says so. Every rank decides alike.
+    Either stops the run with one line when it fails."""
 
-    def check(update_velocity, rollout, advantages):
+    def __init__(self, args, policy, sigmas, log, distributed=False):
+        self.args, self.policy, self.sigmas, self.log, self.distributed = args, policy, sigmas, log, distributed
+
+    def before(self, update_velocity, rollout, advantages):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
-        loss_fn = update_loss(update_velocity, rollout, sigmas, args.eta, sde_type=args.sde_type)
-        result = policy.adapter.kernels.check_gradient(loss_fn, policy.params)
+        loss_fn = update_loss(update_velocity, rollout, self.sigmas, self.args.eta, sde_type=self.args.sde_type)
+        result = self.policy.adapter.kernels.check_gradient(loss_fn, self.policy.params)
         if not result.ok:
             raise SystemExit(f"error: gradient self-check failed: {result.message}")
-        log(f"gradient self-check passed: {result.message}")
+        self.log(f"gradient self-check passed: {result.message}")
 
-    return check
+    def after(self, stats):
+        error, clip = stats["first_ratio_error"], self.args.clip_range
+        worst = all_max(error if error == error else 0.0, self.distributed)  # nan: no member here scored there
+        cause = ("the rollout's forwards at the trained steps differ from the update's (another attention kernel, or "
+                 "an FP8 forward where the policy's belongs)")
+        if worst > clip:
+            raise SystemExit(f"error: first-step ratio check failed: before any optimizer step the update's ratios at "
+                             f"the first trained step are up to {worst:.3g} from 1, beyond --clip-range {clip:g}: "
+                             f"{cause}; use the same --rollout-attention-backend as --attention-backend (both auto "
+                             f"by default)")
+        if worst > RATIO_ROUNDING:
+            self.log(f"note: first-step ratio check: up to {worst:.3g} from 1, within --clip-range {clip:g} but not "
+                     f"exact: {cause}")
+        else:
+            self.log(f"first-step ratio check passed: the first trained step's ratios are within {worst:.2g} of 1")
+
+
+RATIO_ROUNDING = 1e-6  # a first-step ratio within this of 1 is the same forward up to rounding
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,6 +403,7 @@ class Policy:
     optimizer: torch.optim.Optimizer
     kl_base: torch.nn.Module | None = None  # the KL term's frozen base model, in a full fine-tune
     ema: EMA | None = None
+    fp8: object | None = None  # kernels.Float8Copy of the transformer, with --rollout-precision fp8
 
 
 @dataclass
@@ -519,6 +558,13 @@ def main(args) -> bool:
                 policy.ema.load_state_dict(state["extra"]["ema"])
             run.resumed_flags(state["config"], config, policy.optimizer)
             log(f"resumed from {resume_from} at iteration {start}")
+        if args.rollout_precision == "fp8":  # from the weights the run starts with (after a resume, the loaded ones)
+            from kernels import Float8Copy
+
+            policy.fp8 = Float8Copy(policy.transformer, dtype)
+            log(f"FP8 rollout copy: {len(policy.fp8.names)} linear layers of the blocks quantized in "
+                f"{policy.fp8.refreshed_s:.1f} s; the trained steps and the update stay in "
+                f"{str(dtype).removeprefix('torch.')}")
         if master:
             run.begin(config, fresh=not resume_from)
         run.open_tracker(config, start)

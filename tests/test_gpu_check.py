@@ -214,12 +214,20 @@ def test_gpu_check_small_config_end_to_end(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "results.jsonl")) as f:
-        results = {(r["kind"], r.get("lever")): r for r in map(json.loads, f)}
+        results = {(r["kind"], r.get("lever") or r.get("run")): r for r in map(json.loads, f)}
+    assert results.pop(("tiny", "tiny_fp8"))["status"] == "skipped: --rollout-precision fp8 needs CUDA"
     assert all(r["status"] == "ok" for r in results.values()), [r["status"] for r in results.values()]
-    assert set(results) == {("gradient", None), ("tiny", None), ("iteration", None),
-                            ("lever", "rollout attention cudnn"), ("lever", "compile (aot_eager)")}
+    assert set(results) == {("gradient", None), ("tiny", "tiny"), ("iteration", None), ("fp8", None),
+                            ("fp8_iteration", None), ("lever", "rollout attention cudnn"),
+                            ("lever", "compile (aot_eager)")}
     assert results["gradient", None]["ok"] and results["gradient", None]["skipped_steps"] == 0
-    assert results["tiny", None]["skipped_steps"] == 0 and results["tiny", None]["iterations"] == 1
+    assert results["tiny", "tiny"]["skipped_steps"] == 0 and results["tiny", "tiny"]["iterations"] == 1
+    # part 5 through the CPU stand-in: the trainer's FP8 variant beside the policy, close to its images
+    fp8 = results["fp8", None]
+    assert [row["variant"].split(",")[0] for row in fp8["rows"]] == ["policy (float32", "fp8", "fp8"]
+    assert fp8["quantized_layers"] > 0 and 30 < min(fp8["rows"][1]["psnr_db"]) < float("inf")
+    fp8_iteration = results["fp8_iteration", None]
+    assert fp8_iteration["first_ratio_error"] == 0 and 0 < fp8_iteration["image_only_nfe"] < fp8_iteration["nfe"]
     iteration = results["iteration", None]
     assert iteration["nfe"] > 0 and iteration["skipped_steps"] == 0 and iteration["ratio_deviation"] < 1e-5
     assert all(iteration["seconds"][phase] > 0 for phase in ("rollout", "decode_and_reward", "update"))

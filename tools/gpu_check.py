@@ -13,9 +13,16 @@ called, with its attention kernels and compilation), `models.add_lora` (the trai
                 reward and the update; peak memory; the rollout's TFLOP/s and its share of the chip's dense bf16
                 peak; and how far the first update's ratios are from 1 (lr 0, so every step sees the rollout's
                 policy).
-  4. levers:    per speed lever (the rollout's attention kernel, regional compilation, max batch),
-                at 512^2 and 720^2: timed rollout forwards and update steps, their TFLOP/s and share of peak, and
-                the seconds per phase of one iteration projected from them.
+  4. levers:    per speed lever (the rollout's attention kernel, regional compilation, with CUDA graphs too,
+                FlashAttention-3 through diffusers' attention backends, max batch), at 512^2 and 720^2: timed
+                rollout forwards and update steps, their TFLOP/s and share of peak, and the seconds per phase of one
+                iteration projected from them.
+  5. fp8:       the FP8 copy of --rollout-precision fp8 (`kernels.Float8Copy`, compiled) against the compiled bf16
+                transformer at 512^2 and 720^2: s/image and TF/s against the FP8 dense peak, the LoRA merged into the
+                quantized base (no adapter branch) as the other LoRA design, the seconds to quantize every block
+                (a full fine-tune pays them after each update), the images' PSNR against bf16 from the same noise;
+                then one full iteration at 720^2, G 12, M 0..7, Lambda {1, 2, 3} with the copy, and the tiny
+                model's learning on the GPU with --rollout-precision fp8 beside part 1's bf16 run.
 FLOPs come from torch.utils.flop_counter on one forward (rollout) and one update step (forward, checkpoint
 recompute and backward, as executed). On CUDA each case runs in a subprocess of its own (a CUDA error poisons the
 process that meets it); results are appended to `results.jsonl` (a failed case's stderr to `failures.log`) and printed
@@ -26,8 +33,11 @@ a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel ru
 forward is not timed).
 
 Run:
-    python -m tools.gpu_check                  # one GPU, FLUX-sized: 463 s on an H200 (all parts; --budget-s 520)
+    python -m tools.gpu_check                  # one GPU, FLUX-sized: parts 1-4 took 463 s on an H200 (--budget-s 520)
+    python -m tools.gpu_check --parts tiny gradient fp8   # the FP8 part first (not yet run on a GPU)
     python -m tools.gpu_check --config small   # CPU, about a minute: the same code on a tiny transformer
+Part 5 needs torchao on the GPU (requirements-fp8.txt); on the CPU it runs with `kernels.round_to_fp8_rows`, the
+weight-rounding stand-in, so the small config checks its plumbing, not its speed.
 """
 import contextlib
 import json
@@ -46,6 +56,7 @@ import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
+FP8_PEAK = {"H100": 1979e12, "H200": 1979e12, "B200": 4500e12, "L40S": 733e12}  # dense, FLOP/s
 
 
 def published_config(name: str) -> dict:
@@ -78,7 +89,8 @@ class Scale:
     max_batch: int
     batches: tuple  # the max-batch lever
     lora_rank: int
-    compile: str  # the compile lever's backend
+    compile: str  # the compile lever's backend (and the FP8 part's)
+    fp8_granularities: tuple  # Lambda of part 5's full iteration
     tiny_args: list  # train.py's arguments for part 1 (a pipeline folder is appended for the small config)
     timeouts: dict = field(default_factory=dict)  # seconds per case kind
 
@@ -86,19 +98,19 @@ class Scale:
 SCALES = {
     "flux": Scale(transformer=FLUX_DEV, vae=FLUX_VAE, text_tokens=512, resolution=720, lever_resolutions=(512, 720),
                   num_steps=16, group_size=12, sde_steps=tuple(range(8)), granularities=(1, 2), max_batch=24,
-                  batches=(12, 24, 48), lora_rank=64, compile="inductor",
+                  batches=(12, 24, 48), lora_rank=64, compile="inductor", fp8_granularities=(1, 2, 3),
                   tiny_args=["--model", "tiny", "--num-iterations", "20"],
-                  timeouts=dict(tiny=300, gradient=150, iteration=330, lever=150)),
+                  timeouts=dict(tiny=300, gradient=150, iteration=330, lever=150, fp8=330, fp8_iteration=330)),
     "small": Scale(transformer=SMALL, vae=SMALL_VAE, text_tokens=16, resolution=32, lever_resolutions=(32,),
                    num_steps=4, group_size=3, sde_steps=(0, 1), granularities=(1, 2), max_batch=8, batches=(4, 8),
-                   lora_rank=4, compile="aot_eager",
+                   lora_rank=4, compile="aot_eager", fp8_granularities=(1, 2, 3),
                    tiny_args=["--model", "flux", "--num-iterations", "1", "--resolution", "32", "--num-steps", "4",
                     "--group-size", "3", "--sde-steps", "0", "1", "--granularities", "1", "2",
                     "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
                     "--prompt-file", "prompts/tiny_train.txt", "--eval-prompt-file", "prompts/tiny_eval.txt",
                     "--eval-seeds", "1", "--eval-every", "1", "--lr", "1e-3", "--mixed-precision", "no",
                     "--no-gradient-checkpointing"],
-                   timeouts=dict(tiny=120, gradient=60, iteration=60, lever=60)),
+                   timeouts=dict(tiny=120, gradient=60, iteration=60, lever=60, fp8=60, fp8_iteration=60)),
 }
 
 
@@ -106,7 +118,8 @@ SCALES = {
 class Args:
     config: Literal["flux", "small"] = "flux"
     """flux: the FLUX.1-dev-sized checks on one GPU; small: the same code with a tiny transformer (runs on a CPU)."""
-    parts: tuple[Literal["tiny", "gradient", "iteration", "levers"], ...] = ("tiny", "gradient", "iteration", "levers")
+    parts: tuple[Literal["tiny", "gradient", "iteration", "levers", "fp8"], ...] = (
+        "tiny", "gradient", "iteration", "levers", "fp8")
     """Which parts to run (see the module docstring)."""
     output_dir: str = "runs/gpu_check"
     """Where results.jsonl (one JSON object per case, appended) and the tiny run go."""
@@ -207,10 +220,10 @@ def peak_gib():
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def share_of_peak(flops_per_s):
-    """The fraction of the chip's dense bf16 peak, or None for a chip not in the table (and the CPU)."""
+def share_of_peak(flops_per_s, peaks=BF16_PEAK):
+    """The fraction of the chip's dense bf16 (or FP8) peak, or None for a chip not in the table (and the CPU)."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    peak = next((v for k, v in peaks.items() if k in name), None)
     return flops_per_s / peak if peak else None
 
 
@@ -337,15 +350,120 @@ def case_iteration(scale: Scale, case: dict) -> dict:
 
 def case_lever(scale: Scale, case: dict) -> dict:
     """Part 4: one lever (adapter options) probed at each resolution, one model for all of them."""
+    from kernels import compile_blocks
+
     options = dict(rollout_attention_backend=case.get("rollout_attention_backend", "auto"),
-                   compile=scale.compile if case.get("compile") else False)
+                   compile=scale.compile if case.get("compile") and not case.get("compile_mode") else False)
     adapter, cond, params = build(scale, options)
+    if case.get("attention"):  # a diffusers attention backend (FlashAttention-3: "_flash_3"), in every phase
+        adapter.transformer.set_attention_backend(case["attention"])
+    if case.get("compile_mode"):
+        compile_blocks(adapter.transformer, scale.compile, mode=case["compile_mode"])
     batches = case.get("batches", (scale.max_batch,))
     return dict(probes=[probe(adapter, velocity_at(adapter, cond, resolution), params, scale, resolution, batches)
                         for resolution in case["resolutions"]])
 
 
-CASES = {"gradient": case_gradient, "iteration": case_iteration, "lever": case_lever}
+def fp8_copy(adapter, scale: Scale):
+    """The trainer's FP8 copy of the transformer (`kernels.Float8Copy`), compiled with the scale's backend:
+    torchao's quantization on CUDA, the weight-rounding stand-in on a CPU."""
+    from kernels import Float8Copy, round_to_fp8_rows
+
+    return Float8Copy(adapter.transformer, adapter.dtype, compile=scale.compile,
+                      quantize=None if torch.cuda.is_available() else round_to_fp8_rows)
+
+
+def psnr(images, reference) -> list:
+    """Per image, 10 log10(1 / MSE) of images in [0, 1] against the reference's (inf where equal)."""
+    mse = (images.float() - reference.float()).square().flatten(1).mean(1)  # (n,)
+    return [10 * math.log10(1 / m) if m > 0 else float("inf") for m in mse.tolist()]
+
+
+def case_fp8(scale: Scale, case: dict) -> dict:
+    """Part 5: the FP8 copy against the compiled bf16 transformer (LoRA on), one model for every resolution."""
+    from sampler import ode_sample, sigma_schedule
+
+    adapter, cond, params = build(scale, dict(compile=scale.compile))
+    start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    fp8, build_s = timed(lambda: fp8_copy(adapter, scale))
+    copy_gib = (torch.cuda.memory_allocated() - start) / 2**30 if torch.cuda.is_available() else float("nan")
+    _, refresh_s = timed(fp8.refresh)  # what a full fine-tune (or a LoRA merged into its base) pays each update
+    sigmas, device, batch = sigma_schedule(scale.num_steps, SHIFT), adapter.device, scale.max_batch
+    rows = []
+    for resolution in case["resolutions"]:
+        bf16 = velocity_at(adapter, cond, resolution)
+        quantized = lambda x, sigma, index: adapter.velocity(fp8.module, cond, x, sigma, index, resolution)
+        noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(4)], resolution)  # (4, L, 4C)
+        index = torch.zeros(1, dtype=torch.long, device=device)
+        flops = count_flops(lambda: torch.no_grad()(bf16)(noise[:1], sigmas[:1].to(device), index))
+        x = noise[:1].expand(batch, *noise.shape[1:]).contiguous()  # (batch, L, 4C)
+        sigma, index = torch.full((batch,), 0.5, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+        policy = f"policy ({str(adapter.dtype).removeprefix('torch.')}, compiled)"
+        variants = {policy: bf16, "fp8, LoRA in the policy's dtype (the trainer's)": quantized}
+        seconds = {}
+        for name, fn in variants.items():
+            _, warmup = timed(lambda: torch.no_grad()(fn)(x, sigma, index))
+            _, seconds[name] = timed(lambda: torch.no_grad()(fn)(x, sigma, index))
+            rows.append(dict(variant=name, resolution=resolution, max_batch=batch, s_per_image=seconds[name] / batch,
+                             tflops=flops * batch / seconds[name] / 1e12, warmup_s=warmup))
+        fp8.module.disable_adapters()  # the other LoRA design: merged into the base, quantized after every step
+        try:
+            _, warmup = timed(lambda: torch.no_grad()(quantized)(x, sigma, index))
+            _, merged_s = timed(lambda: torch.no_grad()(quantized)(x, sigma, index))
+        finally:
+            fp8.module.enable_adapters()
+        rows.append(dict(variant="fp8, LoRA merged (no branch)", resolution=resolution, max_batch=batch,
+                         s_per_image=merged_s / batch, tflops=flops * batch / merged_s / 1e12, warmup_s=warmup))
+        for row in rows[-3:]:
+            rate = row["tflops"] * 1e12
+            row.update(bf16_share=share_of_peak(rate), fp8_share=share_of_peak(rate, FP8_PEAK),
+                       speedup=seconds[policy] / batch / row["s_per_image"])
+        # the images from the same noise, every step on each model (the ODE sample an evaluation draws), one prompt
+        one_prompt = lambda fn: (lambda x, sigma, index: fn(x, sigma, torch.zeros_like(index)))
+        reference, images = (adapter.decode(ode_sample(one_prompt(fn), noise, sigmas, max_batch=batch), resolution)
+                             for fn in (bf16, quantized))
+        rows[-2]["psnr_db"] = psnr(images, reference)  # the trainer's variant
+    return dict(rows=rows, quantized_layers=len(fp8.names), build_s=build_s, refresh_s=refresh_s, copy_gib=copy_gib,
+                peak_gib=peak_gib())
+
+
+def case_fp8_iteration(scale: Scale, case: dict) -> dict:
+    """Part 5: one full G2RPO iteration with the FP8 copy making the image-only forwards (Lambda {1, 2, 3} at the
+    FLUX scale), lr 0: the first step's ratios compare the update with the rollout's trained steps."""
+    from advantage import granular_advantages
+    from g2rpo import g2rpo_update
+    from sampler import rollout_g2rpo, sigma_schedule
+
+    resolution, (adapter, cond, params) = case["resolution"], build(scale, dict(compile=scale.compile))
+    fp8 = fp8_copy(adapter, scale)
+    velocity_fn = velocity_at(adapter, cond, resolution)
+    image_only_fn = lambda x, sigma, index: adapter.velocity(fp8.module, cond, x, sigma, index, resolution)
+    sigmas = sigma_schedule(scale.num_steps, SHIFT)
+    noise = adapter.noise([torch.Generator().manual_seed(0)], resolution)  # (B, L, 4C), B = 1
+    options = dict(group_size=scale.group_size, sde_steps=list(scale.sde_steps),
+                   granularities=list(scale.fp8_granularities), eta=ETA, max_batch=scale.max_batch)
+    # an untimed rollout first: it compiles both models at every batch size the rollout meets
+    _, warmup_s = timed(lambda: rollout_g2rpo(velocity_fn, noise, sigmas, [torch.Generator().manual_seed(1)],
+                                              image_only_fn=image_only_fn, **options))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    rollout, rollout_s = timed(lambda: rollout_g2rpo(velocity_fn, noise, sigmas, [torch.Generator().manual_seed(1)],
+                                                     image_only_fn=image_only_fn, **options))
+    rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
+    advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
+    optimizer = torch.optim.AdamW(params, lr=0.0)
+    stats, update_s = timed(lambda: g2rpo_update(
+        velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA, clip_range=CLIP_RANGE,
+        max_grad_norm=1.0, max_batch=scale.max_batch))
+    return dict(resolution=resolution, granularities=list(scale.fp8_granularities), nfe=rollout.nfe,
+                image_only_nfe=rollout.image_only_nfe, calls=rollout.calls, warmup_s=warmup_s,
+                seconds=dict(rollout=rollout_s, decode_and_reward=reward_s, update=update_s),
+                first_ratio_error=stats["first_ratio_error"], skipped_steps=stats["skipped_steps"],
+                peak_gib=peak_gib())
+
+
+CASES = {"gradient": case_gradient, "iteration": case_iteration, "lever": case_lever, "fp8": case_fp8,
+         "fp8_iteration": case_fp8_iteration}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,6 +483,14 @@ def plan(scale: Scale, parts) -> list:
         cases.append(dict(kind="lever", lever="rollout attention cudnn", rollout_attention_backend="cudnn",
                           resolutions=everywhere))
         cases.append(dict(kind="lever", lever=f"compile ({scale.compile})", compile=True, resolutions=everywhere))
+    if "fp8" in parts:
+        cases.append(dict(kind="fp8", resolutions=everywhere))
+        cases.append(dict(kind="fp8_iteration", resolution=scale.resolution))
+    if "levers" in parts and scale.compile == "inductor":  # GPU only: CUDA graphs and FlashAttention-3
+        cases.append(dict(kind="lever", lever="compile max-autotune (CUDA graphs)", compile=True,
+                          compile_mode="max-autotune", resolutions=everywhere))
+        cases.append(dict(kind="lever", lever="FlashAttention-3 (diffusers _flash_3)", attention="_flash_3",
+                          resolutions=everywhere))
     return cases
 
 
@@ -392,47 +518,50 @@ def run_case(args: Args, case: dict, deadline: float, isolate: bool) -> dict:
     return {**result, "wall_s": time.time() - start, "notes": [line for line in lines if line.startswith("note:")]}
 
 
-def start_tiny(args: Args, scale: Scale):
-    """Part 1, in the background: train.py on the accelerator. Its timing is not reported, so it may overlap the
-    gradient check; every timed case waits for it to end."""
-    out = os.path.join(args.output_dir, "tiny")
-    argv = [*scale.tiny_args, "--output-dir", out, "--overwrite"]
+def start_tiny(args: Args, scale: Scale, fp8=False):
+    """Part 1, in the background: train.py on the accelerator (with `fp8`, part 5's --rollout-precision fp8 run
+    beside it). Its timing is not reported, so it may overlap the gradient check; every timed case waits for it."""
+    name = "tiny_fp8" if fp8 else "tiny"
+    out = os.path.join(args.output_dir, name)
+    argv = [*scale.tiny_args, "--output-dir", out, "--overwrite", *(["--rollout-precision", "fp8"] if fp8 else [])]
     if args.config == "small":  # a random tiny pipeline: the small check has no minutes for pre-training
         import tiny
 
         path = os.path.join(args.output_dir, "tiny_pipeline")
         tiny.build_pipeline(seed=0).save_pretrained(path)
         argv += ["--model-path", path]
-    log = open(os.path.join(args.output_dir, "tiny.log"), "w")
-    # one torchrun rank: the process group (run.backend), the ranks' reductions and FSDP2, which one GPU can check
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    log = open(os.path.join(args.output_dir, name + ".log"), "w")
+    # one torchrun rank: the process group (run.backend), the ranks' reductions and FSDP2, which one GPU can check;
+    # the FP8 run in a plain process, beside it
+    launcher = [sys.executable] + ([] if fp8 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"])
     proc = subprocess.Popen([*launcher, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
-    return proc, out, log, time.time() + scale.timeouts["tiny"], time.time()
+    return proc, out, log, time.time() + scale.timeouts["tiny"], time.time(), name
 
 
 def finish_tiny(started, deadline: float) -> dict:
     """Waits for part 1 and reads its metrics.jsonl: skipped optimizer steps, and the rewards at the start and end."""
-    proc, out, log, own_deadline, start = started
+    proc, out, log, own_deadline, start, name = started
     try:
         proc.wait(timeout=max(1.0, min(deadline, own_deadline) - time.time()))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        return dict(kind="tiny", status="stopped: over its time limit or the budget")
+        return dict(kind="tiny", run=name, status="stopped: over its time limit or the budget")
     finally:
         log.close()
     if proc.returncode:
         with open(log.name) as f:
             why = (f.read().strip().splitlines() or ["no output"])[-1]
-        return dict(kind="tiny", status=f"failed (exit {proc.returncode}): {why[:300]}")
+        return dict(kind="tiny", run=name, status=f"failed (exit {proc.returncode}): {why[:300]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [r["train/reward/shapes"] for r in rows if "train/reward/shapes" in r]
     held_out = [r["eval/reward/shapes"] for r in rows if "eval/reward/shapes" in r]
     n = max(1, len(train) // 4)  # the first and last quarter of the iterations
     skipped = sum(r.get("faults/skipped_steps", 0) for r in rows)
-    return dict(kind="tiny", status="ok", wall_s=time.time() - start, iterations=len(train), skipped_steps=skipped,
+    return dict(kind="tiny", run=name, status="ok", wall_s=time.time() - start, iterations=len(train),
+                skipped_steps=skipped,
                 train_reward=[sum(train[:n]) / n, sum(train[-n:]) / n], eval_reward=[held_out[0], held_out[-1]],
                 ok=skipped == 0 and held_out[-1] > held_out[0])
 
@@ -468,12 +597,13 @@ def report(result: dict):
     kind, status = result["kind"], result["status"]
     print()
     if status != "ok":
-        print(f"**{kind} {result.get('lever', '')}**: {status}")
+        print(f"**{kind} {result.get('lever', result.get('run', ''))}**: {status}")
         return
     elif kind == "tiny":
         print("| tiny model on the accelerator | skipped steps | train reward first → last quarter | held-out reward "
               "first → last | ok |\n|---|---|---|---|---|")
-        print(f"| {result['iterations']} iterations | {result['skipped_steps']} | "
+        print(f"| {result['iterations']} iterations{', fp8 rollouts' if result['run'] == 'tiny_fp8' else ''} | "
+              f"{result['skipped_steps']} | "
               f"{' → '.join(map(_num, result['train_reward']))} | {' → '.join(map(_num, result['eval_reward']))} | "
               f"{result['ok']} |")
     elif kind == "gradient":
@@ -491,6 +621,26 @@ def report(result: dict):
               f"{_num(s['update'])} | {_num(result['peak_gib'])} | {_num(result['rollout_tflops'])} | "
               f"{_share(result['rollout_share'])} | {_num(result['ratio_deviation'])} | {result['skipped_steps']} |")
         print(f"\n{LEVER_HEADER}\n" + "\n".join(lever_rows("baseline", result["probe"])))
+    elif kind == "fp8":
+        print(f"FP8 copy: {result['quantized_layers']} linear layers quantized, {_num(result['copy_gib'])} GiB, "
+              f"built in {_num(result['build_s'])} s; re-quantizing them all (a full fine-tune, after each update) "
+              f"{_num(result['refresh_s'])} s\n")
+        print("| rollout forward | resolution | max batch | s/image | TFLOP/s | of bf16 peak | of FP8 peak | speed-up over "
+              "the policy | warm-up s | PSNR against the policy, dB (min / mean) |\n|---|---|---|---|---|---|---|---|---|---|")
+        for row in result["rows"]:
+            db = row.get("psnr_db")
+            print(f"| {row['variant']} | {row['resolution']} | {row['max_batch']} | {_num(row['s_per_image'])} | "
+                  f"{_num(row['tflops'])} | {_share(row['bf16_share'])} | {_share(row['fp8_share'])} | "
+                  f"{_num(row['speedup'])} | {_num(row['warmup_s'])} | "
+                  f"{f'{min(db):.1f} / {sum(db) / len(db):.1f}' if db else ''} |")
+    elif kind == "fp8_iteration":
+        s = result["seconds"]
+        print(f"| one iteration, FP8 copy | Λ | NFE (on the copy) | rollout s | decode + reward s | update s | warm-up s | "
+              f"peak GiB | first-step ratio error | skipped steps |\n|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| {result['resolution']}² | {result['granularities']} | {result['nfe']} ({result['image_only_nfe']}) | "
+              f"{_num(s['rollout'])} | {_num(s['decode_and_reward'])} | {_num(s['update'])} | "
+              f"{_num(result['warmup_s'])} | {_num(result['peak_gib'])} | {_num(result['first_ratio_error'])} | "
+              f"{result['skipped_steps']} |")
     else:
         print(LEVER_HEADER)
         print("\n".join(row for p in result["probes"] for row in lever_rows(result["lever"], p)))
@@ -527,14 +677,20 @@ def main(args: Args):
         report(outcome)
 
     isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
-    tiny_run = start_tiny(args, scale) if "tiny" in args.parts else None
+    tiny_runs = [start_tiny(args, scale)] if "tiny" in args.parts else []
+    if "tiny" in args.parts and "fp8" in args.parts:
+        if torch.cuda.is_available():
+            tiny_runs.append(start_tiny(args, scale, fp8=True))
+        else:
+            record(dict(kind="tiny", run="tiny_fp8", status="skipped: --rollout-precision fp8 needs CUDA"))
     for case in plan(scale, args.parts):
-        if tiny_run is not None and case["kind"] != "gradient":  # the timed cases run alone on the accelerator
-            record(finish_tiny(tiny_run, deadline))
-            tiny_run = None
+        if case["kind"] != "gradient":  # the timed cases run alone on the accelerator
+            for started in tiny_runs:
+                record(finish_tiny(started, deadline))
+            tiny_runs = []
         record(run_case(args, case, deadline, isolate))
-    if tiny_run is not None:
-        record(finish_tiny(tiny_run, deadline))
+    for started in tiny_runs:
+        record(finish_tiny(started, deadline))
     print(f"\nresults: {results}")
 
 

@@ -1,0 +1,181 @@
+"""--rollout-precision fp8 on the CPU: which forwards go to the FP8 copy, that the trained steps and so the first
+ratio stay exact, the copy's sharing of the transformer's tensors, and the refusals before loading.
+
+FP8 matrix multiplies need a CUDA GPU of compute capability 8.9 or above, so the copy's quantizer here is the CPU
+stand-in `kernels.round_to_fp8_rows`: each weight row rounded to float8 e4m3 on its own scale and back, the weight
+error of torchao's per-row quantization (not its activation rounding). tools/gpu_check.py measures torchao's own on
+the GPU.
+
+Run: python -m pytest -q tests/test_fp8.py
+"""
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import QUICK, ROOT, run_train
+from kernels import Float8Copy, fp8_problem, round_to_fp8_rows
+from sampler import rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step, sigma_schedule
+
+
+class Recorder:
+    """A velocity function (a fixed linear map of the latent and sigma) that records each call's sigmas."""
+
+    def __init__(self, scale):
+        self.scale, self.sigmas = scale, []
+
+    def __call__(self, x, sigma, prompt_index):
+        self.sigmas.append(sigma.tolist())
+        return self.scale * x + sigma.view(-1, *[1] * (x.ndim - 1))
+
+
+def rollouts(rollout_fn, fp8, **options):
+    """The rollout with one velocity function for every forward, and with the image-only ones on `fp8`."""
+    sigmas = sigma_schedule(6, 3.0)
+    noise = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))  # (B, ...)
+    make = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
+    plain = rollout_fn(Recorder(-0.5), noise, sigmas, make(), group_size=3, eta=0.7, **options)
+    trained = Recorder(-0.5)
+    split = rollout_fn(trained, noise, sigmas, make(), group_size=3, eta=0.7, image_only_fn=fp8, **options)
+    return sigmas, plain, split, trained
+
+
+@pytest.mark.parametrize("sampling", ["g2rpo", "full", "mixed"])
+def test_only_the_trained_steps_run_on_the_policy(sampling):
+    """The policy's velocity function sees the trained steps alone, one call each; everything else goes to the
+    image-only one. The log-probs the update divides by are the policy's at the stored start latents (which the
+    copy's untrained steps before them may have moved), as the update recomputes them: its first ratio is 1."""
+    fp8 = Recorder(-0.45)  # another model: its forwards move the images, not the trained steps
+    fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2])), "full": (rollout_full_sde, {}),
+                   "mixed": (rollout_mixed, {})}[sampling]
+    steps = [1, 3]
+    sigmas, plain, split, trained = rollouts(fn, fp8, sde_steps=steps, **options)
+    rows = 2 if sampling == "g2rpo" else 6  # the anchor (B rows), or every member's trajectory (B * G)
+    assert trained.sigmas == [[float(sigmas[k])] * rows for k in steps]
+    assert split.nfe == plain.nfe and split.calls == plain.calls
+    assert split.image_only_nfe == plain.nfe - rows * len(steps) == sum(map(len, fp8.sigmas))
+    members = split.next_latents.shape[2] // split.latents.shape[2]  # scored by one start latent: G or 1
+    for ki, k in enumerate(steps):
+        x = split.latents[:, ki].flatten(0, 1)  # (B*S, ...)
+        rescored = [sde_step(x.repeat_interleave(members, 0), fn(x, sigmas[k].expand(len(x)), None)
+                             .repeat_interleave(members, 0), sigmas, k, 0.7,
+                             next_latents=split.next_latents[:, ki].flatten(0, 1))[1] for fn in (Recorder(-0.5), fp8)]
+        assert torch.equal(rescored[0], split.old_log_probs[:, ki].flatten())  # the policy's, exactly
+        assert not torch.allclose(rescored[1], split.old_log_probs[:, ki].flatten())  # not the copy's
+    assert not torch.equal(split.final_latents, plain.final_latents)  # the images are the copy's
+
+
+def test_one_function_for_both_is_todays_rollout():
+    """image_only_fn = velocity_fn gives the rollout without it, bit for bit (nothing changes for bf16 runs)."""
+    velocity = Recorder(-0.5)
+    _, plain, split, _ = rollouts(rollout_g2rpo, velocity, sde_steps=[0, 2], granularities=[1, 2, 3])
+    for name in ("latents", "next_latents", "old_log_probs", "final_latents", "anchor_final"):
+        assert torch.equal(getattr(split, name), getattr(plain, name)), name
+
+
+def tiny_policy(flux_path, tmp_path, *flags):
+    import train
+
+    args = train.parse_args(["--model", "flux", "--model-path", flux_path, "--output-dir", str(tmp_path / "run"),
+                             *QUICK, "--lr", "1e-3", *flags])
+    policy = train.build_policy(args, torch.device("cpu"), torch.float32, False, lambda *a: None)
+    return args, policy, train.load_reward_models(args, torch.device("cpu"), torch.float32, {"shapes": 1.0})
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_fp8_copy_shares_all_but_the_quantized_weights(lora, flux_path, tmp_path):
+    """The copy quantizes every linear layer of the blocks (LoRA: the frozen base layers, not the adapters) and holds
+    the transformer's own tensors everywhere else; the policy's weights are untouched; a full fine-tune's refresh
+    follows the new weights."""
+    args, policy, _ = tiny_policy(flux_path, tmp_path, "--lora-rank", str(lora))
+    t = policy.transformer
+    before = {name: p.detach().clone() for name, p in t.named_parameters()}
+    fp8 = Float8Copy(t, torch.float32, compile=False, quantize=round_to_fp8_rows)
+    blocks = len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert fp8.names and all(name.split(".")[0] in ("transformer_blocks", "single_transformer_blocks")
+                             for name in fp8.names)
+    assert not any("lora_" in name for name in fp8.names)  # the adapters stay as they are
+    assert any("attn.to_q.base_layer" in name for name in fp8.names) == bool(lora)  # LoRA's frozen base
+    assert len({name.split(".")[1] + name.split(".")[0] for name in fp8.names}) == blocks  # every block
+    source, twin = dict(t.named_parameters()), dict(fp8.module.named_parameters())
+    assert source.keys() == twin.keys()
+    quantized = {name + ".weight" for name in fp8.names}
+    for name, p in source.items():
+        assert (twin[name] is p) != (name in quantized), name  # shared unless quantized
+    assert all(torch.equal(p, before[name]) for name, p in t.named_parameters())  # the policy is untouched
+    layer = fp8.names[0]
+    assert not torch.equal(twin[layer + ".weight"], source[layer + ".weight"])  # rounded
+    handle = fp8.module.register_forward_pre_hook(lambda *a: None)  # the twin's hooks are its own
+    assert not t._forward_pre_hooks
+    handle.remove()
+    if not lora:  # a full fine-tune's step, then the refresh
+        with torch.no_grad():
+            source[layer + ".weight"].add_(1.0)
+        fp8.refresh()
+        twin = dict(fp8.module.named_parameters())
+        assert torch.allclose(twin[layer + ".weight"], source[layer + ".weight"], rtol=0.07, atol=1e-3)
+
+
+def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
+    """train.iteration with the copy: the rollout's trained steps are the policy's, so the first update's ratio is
+    exactly 1 and the self-checks pass; the copy makes the other forwards. A rollout whose trained steps ran on the
+    copy (the routing broken) fails the ratio check in one line."""
+    import train
+    from g2rpo import g2rpo_update
+
+    args, policy, reward_models = tiny_policy(flux_path, tmp_path, "--lora-rank", "4")
+    policy.fp8 = Float8Copy(policy.transformer, torch.float32, compile=False, quantize=round_to_fp8_rows)
+    calls = {"policy": 0, "fp8": 0}
+    hooks = [module.register_forward_pre_hook(lambda *a, key=key: calls.__setitem__(key, calls[key] + 1))
+             for key, module in (("policy", policy.transformer), ("fp8", policy.fp8.module))]
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    prompts = ["a red circle on the left", "a blue bar on the top"]
+    lines = []
+    check = train.FirstUpdateChecks(args, policy, sigmas, lines.append)
+    metrics = train.iteration(args, 0, policy, reward_models, prompts, sigmas, 0, 1, False, check)
+    for hook in hooks:
+        hook.remove()
+    B, K = args.prompts_per_iteration, len(args.sde_steps)
+    assert metrics["losses/first_ratio_error"] == 0.0 and metrics["perf/optimizer_steps"] == K
+    assert metrics["perf/image_only_nfe"] == metrics["perf/nfe"] - B * K
+    # the policy: K anchor calls in the rollout, K forwards in the update, 2 in the gradient check (the run's kernels
+    # and the math kernel's, fp32 both); the copy the rest of the rollout
+    assert calls["policy"] == 2 * K + 2 and calls["fp8"] == metrics["perf/calls"] - K
+    assert [line.split(":")[0] for line in lines] == ["gradient self-check passed", "first-step ratio check passed"]
+
+    # broken routing: the whole rollout on the copy
+    cond = policy.adapter.encode(prompts)
+    on_copy = train.make_velocity_fn(args, policy, policy.fp8.module, cond)
+    gens = train.generators(args.seed, 1, range(B))
+    rollout = train.sample_rollout(args, on_copy, policy.adapter.noise(gens, args.size), sigmas, gens, args.sde_steps)
+    stats = g2rpo_update(train.make_velocity_fn(args, policy, policy.model, cond), policy.params,
+                         torch.optim.AdamW(policy.params, lr=0.0), rollout, torch.ones(B, K, args.group_size),
+                         sigmas, eta=args.eta, clip_range=args.clip_range, max_grad_norm=1.0)
+    check.after(stats)  # 1.5e-5 from 1 here: within the clip range of 1e-4
+    assert "not exact: the rollout's forwards at the trained steps differ from the update's" in lines[-1]
+    with pytest.raises(SystemExit, match="first-step ratio check failed: .* beyond --clip-range 1e-05"):
+        train.FirstUpdateChecks(dataclasses.replace(args, clip_range=1e-5), policy, sigmas, lines.append).after(stats)
+
+
+def test_fp8_is_refused_before_loading_without_a_gpu(tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_train(["--model", "flux", "--model-path", str(tmp_path / "nothing_here"), "--output-dir", out,
+                      "--rollout-precision", "fp8", *QUICK], check=False)
+    assert proc.returncode != 0
+    assert "--rollout-precision fp8 needs a CUDA GPU" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(out)
+
+
+def test_fp8_refusals_name_the_cause(monkeypatch):
+    """The other refusals, on stand-ins for the GPU's answers: an older GPU, FSDP2, no torchao."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "compute capability 8.9 or above" in fp8_problem(1, False) and "is 8.0" in fp8_problem(1, False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert "full fine-tune on 8 ranks" in fp8_problem(8, True)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    assert "needs torchao" in fp8_problem(8, False) and "pip install torchao" in fp8_problem(1, True)
