@@ -338,10 +338,11 @@ PRESETS = {
                 group_size=8, max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
     # Wan 2.2 TI2V 5B as its card's text-to-video example samples it: 1280 x 704, 121 frames, 50 steps, guidance 5,
     # and its shift 5 (the Wan 2.2 repository's sample shift for ti2v-5B); its VAE is 16x, so sides are multiples of
-    # 32. The rollout and reward frames as Wan 2.1's preset
+    # 32. The rollout and reward frames as Wan 2.1's preset; videos decoded one at a time (tools/plan.py: decoding
+    # one 121-frame video at 1280 x 704 takes 18.9 GiB of activations, a batch of 4 a 102 GiB phase)
     "wan22": dict(model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", guidance=5.0, max_sequence_length=512,
                   resolution=704, width=1280, num_frames=121, reward_frames=4, num_steps=50, shift=5.0,
-                  sde_steps=[0, 1, 2, 3], group_size=8, max_batch=4, reward_batch_size=4, lora_rank=32, lr=1e-4,
+                  sde_steps=[0, 1, 2, 3], group_size=8, max_batch=4, reward_batch_size=1, lora_rank=32, lr=1e-4,
                   output_dir="runs/wan22"),
     # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
     # 96 held-out images, a success rate's standard error about 0.05, in training; the first and last evaluations

@@ -236,9 +236,9 @@ def repeated_blocks(transformer):
 
 class Float8Copy:
     """The transformer's FP8 twin for the forwards whose velocity no log-probability reads (sampler.py's
-    `image_only_fn`): every linear layer of its repeated blocks takes torchao's float8 dynamic activation and weight
-    quantization with per-row scales; everything else (embeddings, norms, biases, the LoRA adapters) is the
-    transformer's own tensors, shared, not copied. Its blocks are compiled (FP8 without compiling is slower than
+    `image_only_fn`): the linear layers of its repeated blocks (attention and feed-forward; not the norms'
+    modulation) take torchao's float8 dynamic activation and weight quantization with per-row scales; everything
+    else (embeddings, norms, biases, the LoRA adapters) is the transformer's own tensors, shared, not copied. Its blocks are compiled (FP8 without compiling is slower than
     bf16: the quantization of the activations is then a separate pass).
 
     LoRA: the frozen base is quantized once and the adapters stay in their precision, shared with the trained
@@ -252,9 +252,11 @@ class Float8Copy:
         self.source, self.module, self.dtype = transformer, _twin(transformer), dtype
         self.quantize = quantize or _torchao_float8()
         names = {m: name for name, m in self.module.named_modules()}
+        # the blocks' linear layers but the LoRA adapters' and the norms' (the modulation: one vector a sample, no
+        # FLOPs to speak of, and it scales every activation of the block)
         pairs = [(twin, source) for twin_block, block in zip(repeated_blocks(self.module), repeated_blocks(transformer))
                  for (path, twin), source in zip(twin_block.named_modules(), block.modules())
-                 if isinstance(twin, torch.nn.Linear) and "lora_" not in path]
+                 if isinstance(twin, torch.nn.Linear) and "lora_" not in path and "norm" not in path]
         # FP8 matrix multiplies take sides that are multiples of 16
         self.pairs = [(twin, source) for twin, source in pairs
                       if twin.in_features % 16 == 0 and twin.out_features % 16 == 0]

@@ -42,6 +42,7 @@ Run:
     python -m tools.plan --model sd3                                             # SD3.5 Medium, LoRA
     python -m tools.plan --model zimage                                          # Z-Image-Turbo, LoRA (1 min here)
     python -m tools.plan --model wan                                             # Wan 2.1, 832 x 480 x 81 frames
+    python -m tools.plan --model wan22                                           # Wan 2.2 TI2V 5B, 1280 x 704 x 121
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
 """
 import contextlib
@@ -74,7 +75,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
 EXPORT_GB = EXPORT_SHARD_BYTES / 1e9
 CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium", "zimage": "configs/z-image-turbo",
-           "wan": "configs/wan2.1-t2v-1.3b"}
+           "wan": "configs/wan2.1-t2v-1.3b", "wan22": "configs/wan2.2-ti2v-5b"}
 # reward models the plan can build from a configuration: name -> (config file, builder)
 REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
                   "pickscore": "pickscore.json", "aesthetic": "aesthetic_clip.json"}
@@ -302,7 +303,7 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
         return pipe
     if args.model == "zimage":
         return _build_zimage(args, folder, dtype, transformer_dtype, fake_mode)
-    if args.model == "wan":
+    if args.model in ("wan", "wan22"):
         return _build_wan(args, folder, dtype, transformer_dtype, fake_mode)
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
                            SD3Transformer2DModel, StableDiffusion3Pipeline)
@@ -350,7 +351,8 @@ def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
 
 
 def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
-    """Wan 2.1: UMT5-XXL's encoder, the video transformer, the causal video VAE (kept in fp32, as the adapter does)."""
+    """Wan 2.1 and 2.2 TI2V 5B: UMT5-XXL's encoder, the video transformer, the causal video VAE (kept in fp32, as the
+    adapter does; 2.2's is the 16x one with 2x2 patches); 2.2's pipeline expands its timesteps per token."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -365,7 +367,8 @@ def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
     with building(transformer_dtype, fake_mode):
         transformer = _built(folder, "transformer.json", WanTransformer3DModel)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift))
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift),
+                       expand_timesteps=args.model == "wan22")
 
 
 def build_rewards(names, device, dtype, batch_size, fake_mode):
