@@ -326,10 +326,11 @@ PRESETS = {
     # (card and pipeline), true CFG 4 against the negative prompt " " (card; the pipeline's true_cfg_scale default is
     # 4 too). Its scheduler shifts the schedule by exp(mu), mu = calculate_shift(6889 tokens, 256, 8192, 0.5, 0.9) =
     # 0.834: 2.30 (recompute for other sizes); it also stretches the schedule to end at sigma 0.02 before 0
-    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3, G 8
+    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3, G 8;
+    # calls of 8 (16 sequences with CFG) and decodes of 2 images (tools/plan.py: 24 and 16 would need 148 GiB)
     "qwenimage": dict(model_path="Qwen/Qwen-Image", guidance=4.0, max_sequence_length=512, resolution=1328,
                       num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
-                      output_dir="runs/qwenimage"),
+                      max_batch=8, reward_batch_size=2, output_dir="runs/qwenimage"),
     # Wan 2.1 T2V 1.3B as its card samples it: 832 x 480, 81 frames, 50 steps, flow shift 3, guidance 5. Rewards score
     # every 4th frame. A video-sized rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the
     # image presets' 0..7 and G 12)
@@ -549,8 +550,13 @@ def train_fields(names, elsewhere=(), note="", notes=None):
 
 
 def validate(args, world: int, log=print):
-    """Every check that needs no model. Returns (train prompts, eval prompts, reward weights)."""
+    """Every check that needs no model: the flags, the machine (for --rollout-precision fp8), the prompt files.
+    Returns (train prompts, eval prompts, reward weights)."""
     weights = check_flags(args, world, log)
+    if args.rollout_precision == "fp8":  # (tools/plan.py plans an FP8 run on any machine: it checks the flags alone)
+        problem = fp8_problem(world, args.full, args.mixed_precision)
+        if problem:
+            fail(problem)
     return (read_prompts(args.prompt_file, "--prompt-file"),
             read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
 
@@ -644,10 +650,6 @@ def check_flags(args, world: int, log=print):
         if value % multiple:
             fail(f"{name} {value} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
                  f"use e.g. {value // multiple * multiple or multiple}")
-    if args.rollout_precision == "fp8":
-        problem = fp8_problem(world, args.full)
-        if problem:
-            fail(problem)
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
              f"use a multiple of {world}")

@@ -91,15 +91,12 @@ def compile_blocks(transformer, backend: str = "inductor", mode: str | None = No
     Each block's graph is rebuilt for every grad mode, batch size, input layout and resolution it meets (rollout,
     update, evaluation): 8 versions in 2 iterations of the tiny model, which is torch's default limit per block, past
     which it silently runs the block eager. On an H200 a FLUX-sized block that had met two resolutions ran at eager
-    speed (353 against 506 TFLOP/s), so the limit is raised to 64. `mode`: torch.compile's (tools/gpu_check.py
-    measures "max-autotune", which adds CUDA graphs)."""
+    speed (353 against 506 TFLOP/s), so the limit is raised to 64; an FP8 copy's blocks (`Float8Copy`) are of the
+    same classes and count toward the same limit. `mode`: torch.compile's (tools/gpu_check.py measures
+    "max-autotune", which adds CUDA graphs)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    options = dict(backend=backend, **({"mode": mode} if mode else {}))
-    if getattr(transformer, "_repeated_blocks", None):
-        transformer.compile_repeated_blocks(**options)
-    else:
-        for block in transformer.transformer_blocks:
-            block.compile(**options)
+    for block in repeated_blocks(transformer):
+        block.compile(backend=backend, **({"mode": mode} if mode else {}))
 
 
 class Kernels:
@@ -189,10 +186,11 @@ class Kernels:
 
 # --- FP8 rollouts ---------------------------------------------------------------------------------------------
 ROLLOUT_PRECISIONS = ("bf16", "fp8")
-TORCHAO_HINT = "pip install torchao==0.18.0 (requirements.txt pins it)"
+TORCHAO_HINT = "pip install -r requirements-fp8.txt (torchao 0.18.0)"
+MODULATION = ("norm", "mod")  # names of the blocks' modulation layers (AdaLN's linear, Qwen's img_mod, Z-Image's adaLN)
 
 
-def fp8_problem(world: int, full: bool) -> str | None:
+def fp8_problem(world: int, full: bool, mixed_precision: str) -> str | None:
     """Why this machine or run cannot take --rollout-precision fp8, in one line, or None. Checked before loading."""
     if not torch.cuda.is_available():
         return ("--rollout-precision fp8 needs a CUDA GPU with FP8 matrix multiplies (Ada, Hopper or newer); this "
@@ -201,6 +199,9 @@ def fp8_problem(world: int, full: bool) -> str | None:
     if capability < (8, 9):
         return (f"--rollout-precision fp8 needs FP8 matrix multiplies (compute capability 8.9 or above: Ada, Hopper "
                 f"or newer); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}: drop the flag")
+    if mixed_precision != "bf16":
+        return ("--rollout-precision fp8 quantizes bf16 weights for a bf16 run, and this one computes in fp32 "
+                "(--mixed-precision no, which the tiny preset sets): add --mixed-precision bf16, or drop the flag")
     if world > 1 and full:
         return (f"--rollout-precision fp8 does not support a full fine-tune on {world} ranks yet (FSDP2 shards the "
                 f"weights the FP8 copy would quantize); use one GPU, or LoRA (--lora-rank) on many")
@@ -213,11 +214,13 @@ def fp8_problem(world: int, full: bool) -> str | None:
 
 def _twin(module):
     """A copy of a module tree that holds the same parameter and buffer tensors (no memory): replacing a parameter
-    of the twin, or adding a hook to it, leaves the original as it was. Compiled calls are not carried over (they
-    are bound to the original)."""
+    of the twin, adding a hook to it or switching its LoRA adapters leaves the original as it was (every dict, list
+    and set of a module is the twin's own). What stays shared: the tensors, and so their requires_grad (peft's
+    disable_adapters on the twin turns the trained adapters' off until enable_adapters). Compiled calls are not
+    carried over (they are bound to the original)."""
     twin = copy.copy(module)
-    for name, value in vars(module).items():  # _parameters, _buffers, the hook dicts, ...: the twin's own
-        if isinstance(value, (dict, set)):
+    for name, value in vars(module).items():  # _parameters, _buffers, the hook dicts, peft's adapter lists, ...
+        if isinstance(value, (dict, list, set)):
             twin.__dict__[name] = copy.copy(value)
     twin.__dict__["_modules"] = {name: None if child is None else _twin(child)
                                  for name, child in module._modules.items()}
@@ -236,31 +239,30 @@ def repeated_blocks(transformer):
 
 class Float8Copy:
     """The transformer's FP8 twin for the forwards whose velocity no log-probability reads (sampler.py's
-    `image_only_fn`): the linear layers of its repeated blocks (attention and feed-forward; not the norms'
-    modulation) take torchao's float8 dynamic activation and weight quantization with per-row scales; everything
-    else (embeddings, norms, biases, the LoRA adapters) is the transformer's own tensors, shared, not copied. Its blocks are compiled (FP8 without compiling is slower than
-    bf16: the quantization of the activations is then a separate pass).
+    `image_only_fn`). The linear layers of its repeated blocks (attention and feed-forward; not the modulation,
+    which maps one vector a sample and scales every activation of the block) take torchao's float8 dynamic
+    activation and weight quantization with per-row scales, from bf16; everything else (embeddings, norms, the
+    LoRA adapters) is the transformer's own tensors, shared, not copied. Its blocks are compiled (FP8 without
+    compiling is slower than bf16: the quantization of the activations is then a separate pass).
 
     LoRA: the frozen base is quantized once and the adapters stay in their precision, shared with the trained
     ones, so the twin follows every optimizer step at no cost. Full fine-tune: `refresh` re-quantizes every linear
     layer from the current weights, after each update (its seconds: `refreshed_s`).
-    `dtype`: the run's compute dtype, which the weights are quantized from. `quantize`: the function that quantizes one linear layer in place (default torchao's; `round_to_fp8_rows` on a
-    CPU).
+    `quantize`: the function that quantizes one linear layer in place (default torchao's; `round_to_fp8_rows` on a
+    CPU). `names`: the quantized layers.
     """
 
-    def __init__(self, transformer, dtype, compile="inductor", quantize=None):
-        self.source, self.module, self.dtype = transformer, _twin(transformer), dtype
+    def __init__(self, transformer, compile="inductor", quantize=None):
+        self.module = _twin(transformer)
         self.quantize = quantize or _torchao_float8()
         names = {m: name for name, m in self.module.named_modules()}
-        # the blocks' linear layers but the LoRA adapters' and the norms' (the modulation: one vector a sample, no
-        # FLOPs to speak of, and it scales every activation of the block)
-        pairs = [(twin, source) for twin_block, block in zip(repeated_blocks(self.module), repeated_blocks(transformer))
-                 for (path, twin), source in zip(twin_block.named_modules(), block.modules())
-                 if isinstance(twin, torch.nn.Linear) and "lora_" not in path and "norm" not in path]
-        # FP8 matrix multiplies take sides that are multiples of 16
-        self.pairs = [(twin, source) for twin, source in pairs
-                      if twin.in_features % 16 == 0 and twin.out_features % 16 == 0]
-        self.names = [names[twin] for twin, _ in self.pairs]  # of the quantized layers, for the tests and logs
+        blocks = zip(repeated_blocks(self.module), repeated_blocks(transformer))
+        self.pairs = [(twin, source) for twin_block, block in blocks
+                      for (path, twin), source in zip(twin_block.named_modules(), block.modules())
+                      if isinstance(twin, torch.nn.Linear) and "lora_" not in path
+                      and not any(word in path for word in MODULATION)
+                      and twin.in_features % 16 == 0 and twin.out_features % 16 == 0]  # FP8 matmuls' sides
+        self.names = [names[twin] for twin, _ in self.pairs]
         self.refreshed_s = 0.0
         self.refresh()
         if compile:
@@ -268,11 +270,14 @@ class Float8Copy:
 
     @torch.no_grad()
     def refresh(self):
-        """Quantize each chosen linear layer's current weight into the twin, from the run's compute dtype (`dtype`:
-        a full fine-tune's fp32 master weights are cast as autocast would cast them)."""
+        """Quantize each chosen linear layer's current weight into the twin, from bf16 (a full fine-tune's fp32
+        master weights cast as autocast casts them; its bias too)."""
         start = time.perf_counter()
         for twin, source in self.pairs:
-            twin.weight = torch.nn.Parameter(source.weight.detach().to(self.dtype), requires_grad=False)
+            twin.__dict__.pop("extra_repr", None)  # torchao wraps it at every quantization
+            twin.weight = torch.nn.Parameter(source.weight.detach().to(torch.bfloat16), requires_grad=False)
+            if source.bias is not None and source.bias.dtype != torch.bfloat16:
+                twin.bias = torch.nn.Parameter(source.bias.detach().to(torch.bfloat16), requires_grad=False)
             self.quantize(twin)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -281,22 +286,34 @@ class Float8Copy:
 
 def round_to_fp8_rows(linear):
     """The CPU stand-in for `_torchao_float8` (FP8 matrix multiplies need a GPU): each weight row scaled to e4m3's
-    largest value, 448, rounded to float8 and scaled back, in place. It makes the weight error of per-row FP8, not
-    its activation rounding, and none of its speed; the tests and `gpu_check.py --config small` route through it."""
+    largest value, 448, rounded to float8 and scaled back, in place, in fp32 (the CPU's compute dtype). It makes the
+    weight error of per-row FP8, not its activation rounding, and none of its speed; the tests and
+    `gpu_check.py --config small` route through it."""
     w = linear.weight.detach().float()
     scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448  # (out, 1)
-    linear.weight = torch.nn.Parameter(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(linear.weight.dtype),
-                                       requires_grad=False)
+    linear.weight = torch.nn.Parameter((w / scale).to(torch.float8_e4m3fn).float() * scale, requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+
+def _bf16_inputs(module, args):
+    return tuple(a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def _torchao_float8():
     """torchao's float8 dynamic activation and weight quantization with per-row scales, of one linear layer in
-    place. torchao's recommended inductor settings are not applied: they are global, and would change how the
-    update's compiled blocks are built too."""
+    place. Its linear takes over before autocast would cast the input (its output takes the input's dtype), so the
+    layer casts its input to bf16 itself, as autocast does. torchao's recommended inductor settings are not applied:
+    they are global, and would change how the update's compiled blocks are built too."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    return lambda linear: quantize_(linear, config)
+
+    def quantize(linear):
+        quantize_(linear, config)
+        if not linear._forward_pre_hooks:
+            linear.register_forward_pre_hook(_bf16_inputs)
+    return quantize
 
 
 # --- the gradient self-check -------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def all_sum(n: int, distributed: bool) -> int:
 
 
 def all_max(n, distributed: bool):
-    """The largest of every rank's n (each rank then makes as many forward calls as the busiest one)."""
+    """The largest of every rank's n: the busiest rank's forward calls, which every rank then makes; the worst
+    first-step ratio error, on which every rank then decides."""
     return _all_reduce_count(n, distributed, dist.ReduceOp.MAX)
 
 

@@ -240,6 +240,27 @@ def build_chat_tokenizer():
                                    eos_token="<|im_end|>", chat_template=template, model_max_length=32)
 
 
+def build_qwen_tokenizer():
+    """A word-level tokenizer for Qwen-Image's prompt template, built offline: the stand-in for Qwen2's in the tests'
+    tiny Qwen-Image pipeline and in tools/plan.py's. Like Qwen2's BPE it makes the template's system prefix 34 tokens
+    (words, punctuation, line breaks and the chat markers), the count the pipeline drops from every prompt's hidden
+    states."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    system = ("Describe the image by detailing the color , shape , size , texture , quantity , text , spatial "
+              "relationships of the objects and background :")
+    words = ["<|endoftext|>", "<unk>", "\n", "system", "user", "assistant", *dict.fromkeys(system.split()),
+             *sorted(set(WORDS) - set(system.split()))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                                     pre_tokenizers.Split("\n", "isolated"),
+                                                     pre_tokenizers.Punctuation()])
+    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   eos_token="<|im_end|>", model_max_length=64)
+
+
 def build_pipeline(seed: int, hidden: int = 64, layers: int = 2):
     """A randomly initialised tiny FluxPipeline (also used by the tests as a stand-in FLUX.1)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel

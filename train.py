@@ -26,6 +26,7 @@ Deviations from the reference code (numbers of the README's list): 6 (granularit
 noise and data order), 8 (faults), 9 (held-out evaluation), 11 (attention kernels and the gradient self-check).
 """
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -345,6 +346,9 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             run.log(tiny.quick_start_standing(metrics["eval/success/shapes"], changed_from_preset(args)))
 
 
+RATIO_ROUNDING = 1e-6  # a first-step ratio within this of 1 is the same forward up to rounding
+
+
 class FirstUpdateChecks:
     """The self-checks of this process's first update (--gradient-check), which matter on accelerators, where the
     fast kernels live (on the CPU both pass trivially):
@@ -370,22 +374,22 @@ class FirstUpdateChecks:
 
     def after(self, stats):
         error, clip = stats["first_ratio_error"], self.args.clip_range
-        worst = all_max(error if error == error else 0.0, self.distributed)  # nan: no member here scored there
+        # -1: no member of this rank scored the first step (a rank's share of DanceGRPO's random steps can be empty)
+        worst = all_max(-1.0 if math.isnan(error) else error, self.distributed)
         cause = ("the rollout's forwards at the trained steps differ from the update's (another attention kernel, or "
                  "an FP8 forward where the policy's belongs)")
-        if worst > clip:
+        if worst < 0:
+            self.log("first-step ratio check: not checked (no member scored the first trained step)")
+        elif worst > clip:
             raise SystemExit(f"error: first-step ratio check failed: before any optimizer step the update's ratios at "
                              f"the first trained step are up to {worst:.3g} from 1, beyond --clip-range {clip:g}: "
                              f"{cause}; use the same --rollout-attention-backend as --attention-backend (both auto "
-                             f"by default)")
-        if worst > RATIO_ROUNDING:
+                             f"by default), and if that does not fix it, run without --rollout-precision fp8")
+        elif worst > RATIO_ROUNDING:
             self.log(f"note: first-step ratio check: up to {worst:.3g} from 1, within --clip-range {clip:g} but not "
                      f"exact: {cause}")
         else:
             self.log(f"first-step ratio check passed: the first trained step's ratios are within {worst:.2g} of 1")
-
-
-RATIO_ROUNDING = 1e-6  # a first-step ratio within this of 1 is the same forward up to rounding
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -561,7 +565,7 @@ def main(args) -> bool:
         if args.rollout_precision == "fp8":  # from the weights the run starts with (after a resume, the loaded ones)
             from kernels import Float8Copy
 
-            policy.fp8 = Float8Copy(policy.transformer, dtype)
+            policy.fp8 = Float8Copy(policy.transformer)
             log(f"FP8 rollout copy: {len(policy.fp8.names)} linear layers of the blocks quantized in "
                 f"{policy.fp8.refreshed_s:.1f} s; the trained steps and the update stay in "
                 f"{str(dtype).removeprefix('torch.')}")

@@ -96,28 +96,6 @@ def build_flux2_pipeline(seed=0, distilled=True):
                               transformer=transformer, is_distilled=distilled)
 
 
-def build_qwen_tokenizer():
-    """A word-level tokenizer for Qwen-Image's prompt template, built offline. Like Qwen2's BPE it makes the
-    template's system prefix 34 tokens (words, punctuation, line breaks and the chat markers), the count the pipeline
-    drops from every prompt's hidden states."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    import tiny
-
-    system = ("Describe the image by detailing the color , shape , size , texture , quantity , text , spatial "
-              "relationships of the objects and background :")
-    words = ["<|endoftext|>", "<unk>", "\n", "system", "user", "assistant", *dict.fromkeys(system.split()),
-             *sorted(set(tiny.WORDS) - set(system.split()))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
-                                                     pre_tokenizers.Split("\n", "isolated"),
-                                                     pre_tokenizers.Punctuation()])
-    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   eos_token="<|im_end|>", model_max_length=64)
-
-
 def build_qwenimage_pipeline(seed=0):
     """A randomly initialised tiny QwenImagePipeline: a 2-layer Qwen2.5-VL (its language model's last hidden states
     are the caption), the MMDiT transformer on 2x2 patches, Qwen-Image's causal video VAE (8x), and its scheduler's
@@ -126,8 +104,10 @@ def build_qwenimage_pipeline(seed=0):
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    import tiny
+
     torch.manual_seed(seed)
-    tokenizer = build_qwen_tokenizer()
+    tokenizer = tiny.build_qwen_tokenizer()
     ids = dict(bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -66,13 +66,25 @@ SMALL_FAMILIES = {  # configurations small enough to run for real here (tools/co
                              decoder_start_token_id=0),
         "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                     temperal_downsample=[False, True, True])}),
+    "qwenimage": ([], {  # true CFG: the negative caption's mask, the joint attention mask
+        "transformer": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 6, 6]),
+        "text_encoder": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=0,
+                             eos_token_id=1, pad_token_id=0,
+                             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                out_hidden_size=32, fullatt_block_indexes=[0])),
+        "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                    temperal_downsample=[False, True, True])}),
 }
 
 
 @pytest.mark.parametrize("family", SMALL_FAMILIES)
 def test_another_familys_plan_matches_a_real_cpu_run(family, tmp_path):
     """Other families through the same accounting, each from a configuration folder of its own: Z-Image (Qwen3
-    captions, unpadded lists, FLUX's VAE) and Wan (video latents, the causal video VAE, rewards over frames)."""
+    captions, unpadded lists, FLUX's VAE), Wan (video latents, the causal video VAE, rewards over frames) and
+    Qwen-Image (Qwen2.5-VL captions cut at their masks, true CFG's masked joint attention)."""
     import json
 
     extra, configs = SMALL_FAMILIES[family]

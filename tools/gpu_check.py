@@ -369,7 +369,7 @@ def fp8_copy(adapter, scale: Scale):
     torchao's quantization on CUDA, the weight-rounding stand-in on a CPU."""
     from kernels import Float8Copy, round_to_fp8_rows
 
-    return Float8Copy(adapter.transformer, adapter.dtype, compile=scale.compile,
+    return Float8Copy(adapter.transformer, compile=scale.compile,
                       quantize=None if torch.cuda.is_available() else round_to_fp8_rows)
 
 
@@ -518,12 +518,18 @@ def run_case(args: Args, case: dict, deadline: float, isolate: bool) -> dict:
     return {**result, "wall_s": time.time() - start, "notes": [line for line in lines if line.startswith("note:")]}
 
 
-def start_tiny(args: Args, scale: Scale, fp8=False):
-    """Part 1, in the background: train.py on the accelerator (with `fp8`, part 5's --rollout-precision fp8 run
-    beside it). Its timing is not reported, so it may overlap the gradient check; every timed case waits for it."""
-    name = "tiny_fp8" if fp8 else "tiny"
+TINY_RUNS = {"tiny": [],  # part 1, under torchrun
+             # part 5: the FP8 rollouts against the same run without them, both in bf16 (FP8 quantizes from bf16;
+             # the tiny preset computes in fp32)
+             "tiny_bf16": ["--mixed-precision", "bf16"],
+             "tiny_fp8": ["--mixed-precision", "bf16", "--rollout-precision", "fp8"]}
+
+
+def start_tiny(args: Args, scale: Scale, name="tiny"):
+    """Part 1 (and part 5's two runs), in the background: train.py on the accelerator. Its timing is not reported,
+    so it may overlap the gradient check; every timed case waits for it."""
     out = os.path.join(args.output_dir, name)
-    argv = [*scale.tiny_args, "--output-dir", out, "--overwrite", *(["--rollout-precision", "fp8"] if fp8 else [])]
+    argv = [*scale.tiny_args, "--output-dir", out, "--overwrite", *TINY_RUNS[name]]
     if args.config == "small":  # a random tiny pipeline: the small check has no minutes for pre-training
         import tiny
 
@@ -532,8 +538,9 @@ def start_tiny(args: Args, scale: Scale, fp8=False):
         argv += ["--model-path", path]
     log = open(os.path.join(args.output_dir, name + ".log"), "w")
     # one torchrun rank: the process group (run.backend), the ranks' reductions and FSDP2, which one GPU can check;
-    # the FP8 run in a plain process, beside it
-    launcher = [sys.executable] + ([] if fp8 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"])
+    # part 5's runs in plain processes, beside it
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if name == "tiny" else []
+    launcher = [sys.executable, *torchrun]
     proc = subprocess.Popen([*launcher, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     return proc, out, log, time.time() + scale.timeouts["tiny"], time.time(), name
@@ -602,7 +609,8 @@ def report(result: dict):
     elif kind == "tiny":
         print("| tiny model on the accelerator | skipped steps | train reward first → last quarter | held-out reward "
               "first → last | ok |\n|---|---|---|---|---|")
-        print(f"| {result['iterations']} iterations{', fp8 rollouts' if result['run'] == 'tiny_fp8' else ''} | "
+        label = {"tiny": "", "tiny_bf16": ", bf16", "tiny_fp8": ", bf16, fp8 rollouts"}[result["run"]]
+        print(f"| {result['iterations']} iterations{label} | "
               f"{result['skipped_steps']} | "
               f"{' → '.join(map(_num, result['train_reward']))} | {' → '.join(map(_num, result['eval_reward']))} | "
               f"{result['ok']} |")
@@ -680,7 +688,7 @@ def main(args: Args):
     tiny_runs = [start_tiny(args, scale)] if "tiny" in args.parts else []
     if "tiny" in args.parts and "fp8" in args.parts:
         if torch.cuda.is_available():
-            tiny_runs.append(start_tiny(args, scale, fp8=True))
+            tiny_runs += [start_tiny(args, scale, name) for name in ("tiny_bf16", "tiny_fp8")]
         else:
             record(dict(kind="tiny", run="tiny_fp8", status="skipped: --rollout-precision fp8 needs CUDA"))
     for case in plan(scale, args.parts):

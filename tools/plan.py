@@ -43,6 +43,8 @@ Run:
     python -m tools.plan --model zimage                                          # Z-Image-Turbo, LoRA (1 min here)
     python -m tools.plan --model wan                                             # Wan 2.1, 832 x 480 x 81 frames
     python -m tools.plan --model wan22                                           # Wan 2.2 TI2V 5B, 1280 x 704 x 121
+    python -m tools.plan --model flux2                                           # FLUX.2 [klein] 4B, LoRA
+    python -m tools.plan --model qwenimage                                       # Qwen-Image, LoRA, 1328^2
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
 """
 import contextlib
@@ -75,7 +77,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
 EXPORT_GB = EXPORT_SHARD_BYTES / 1e9
 CONFIGS = {"flux": "configs/flux1-dev", "sd3": "configs/sd3.5-medium", "zimage": "configs/z-image-turbo",
-           "wan": "configs/wan2.1-t2v-1.3b", "wan22": "configs/wan2.2-ti2v-5b"}
+           "flux2": "configs/flux2-klein-4b", "qwenimage": "configs/qwen-image", "wan": "configs/wan2.1-t2v-1.3b",
+           "wan22": "configs/wan2.2-ti2v-5b"}
 # reward models the plan can build from a configuration: name -> (config file, builder)
 REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-quickgelu.json",
                   "pickscore": "pickscore.json", "aesthetic": "aesthetic_clip.json"}
@@ -127,15 +130,20 @@ def cuda_attention(update_backend: str, rollout_backend: str):
         kernels = sdpa_backends(update_backend if torch.is_grad_enabled() else rollout_backend, "cuda")
         names = {k.name for k in kernels}
         if isinstance(query, FakeTensor) and not enable_gqa:
+            if attn_mask is not None and not isinstance(attn_mask, FakeTensor):  # (Qwen-Image's, made of real ones)
+                attn_mask = query.fake_mode.from_tensor(attn_mask)
             half = query.dtype in (torch.float16, torch.bfloat16)
             if half and attn_mask is None and names & {"FLASH_ATTENTION", "CUDNN_ATTENTION"}:
                 return torch.ops.aten._scaled_dot_product_flash_attention(
                     query, key, value, dropout_p, is_causal, scale=scale)[0]
             if "EFFICIENT_ATTENTION" in names:
-                bias = None if attn_mask is None else attn_mask.to(query.dtype).expand(
-                    query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-                if bias is not None and attn_mask.dtype == torch.bool:
-                    bias = torch.zeros_like(bias).masked_fill(~attn_mask, float("-inf"))
+                # a boolean mask becomes an additive bias at its own (broadcast) shape, as torch converts it, and
+                # is expanded to the scores' shape as a view: (B, 1, 1, L) masks cost no (B, heads, L, L) tensor
+                bias = None
+                if attn_mask is not None:
+                    bias = (torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+                            if attn_mask.dtype == torch.bool else attn_mask.to(query.dtype))
+                    bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
                 return torch.ops.aten._scaled_dot_product_efficient_attention(
                     query, key, value, bias, torch.is_grad_enabled(), dropout_p, is_causal, scale=scale)[0]
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -305,6 +313,10 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
         return _build_zimage(args, folder, dtype, transformer_dtype, fake_mode)
     if args.model in ("wan", "wan22"):
         return _build_wan(args, folder, dtype, transformer_dtype, fake_mode)
+    if args.model == "flux2":
+        return _build_flux2(args, folder, dtype, transformer_dtype, fake_mode)
+    if args.model == "qwenimage":
+        return _build_qwenimage(args, folder, dtype, transformer_dtype, fake_mode)
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
                            SD3Transformer2DModel, StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -348,6 +360,52 @@ def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
         transformer = _built(folder, "transformer.json", ZImageTransformer2DModel)
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift), vae=vae,
                           text_encoder=text_encoder, tokenizer=tiny.build_chat_tokenizer(), transformer=transformer)
+
+
+def _build_flux2(args, folder, dtype, transformer_dtype, fake_mode):
+    """FLUX.2 [klein] 4B: Qwen3-4B (three of its layers are the caption), the double- and single-stream
+    transformer, FLUX.2's VAE; the distilled model, as the preset. Captions are padded to --max-sequence-length."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import tiny
+
+    with building(dtype, fake_mode):
+        vae = _built(folder, "vae.json", AutoencoderKLFlux2)
+        text_encoder = _built(folder, "text_encoder.json", lambda **c: Qwen3ForCausalLM(Qwen3Config(**c)))
+    with building(transformer_dtype, fake_mode):
+        transformer = _built(folder, "transformer.json", Flux2Transformer2DModel)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tiny.build_chat_tokenizer(), transformer=transformer, is_distilled=True)
+
+
+def _build_qwenimage(args, folder, dtype, transformer_dtype, fake_mode):
+    """Qwen-Image: Qwen2.5-VL-7B (its language model's last hidden states are the caption; the vision tower is
+    loaded with it), the 20 B MMDiT transformer, its causal VAE. The pipeline keeps each caption's tokens with
+    a data-dependent split (`_extract_masked_hidden`), which fake tensors cannot take: the plan keeps every token
+    of the padded batch instead, an upper bound, as `NoValues` does for a mask."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    import tiny
+
+    with building(dtype, fake_mode):
+        vae = _built(folder, "vae.json", AutoencoderKLQwenImage)
+        text_encoder = _built(folder, "text_encoder.json",
+                              lambda **c: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c)))
+    with building(transformer_dtype, fake_mode):
+        transformer = _built(folder, "transformer.json", QwenImageTransformer2DModel)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192,
+                                                time_shift_type="exponential")
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                             tokenizer=tiny.build_qwen_tokenizer(), transformer=transformer)
+    if fake_mode is not None:
+        pipe._extract_masked_hidden = lambda hidden, mask: list(hidden.unbind(0))  # (T, D) per caption
+    return pipe
 
 
 def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
