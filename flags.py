@@ -227,6 +227,11 @@ class TrainArgs:
     step_per_sde_step: bool = True
     """One optimizer step per trained step k (the G2RPO reference scripts); False: the gradients of every trained
     step accumulate into --member-chunks steps an iteration (1: the paper's objective averaged over k)."""
+    inner_epochs: int = 1
+    """Passes of the update over each rollout (PPO's epochs, Flow-GRPO's num_inner_epochs; 1 in the reference and
+    its peers' scripts). A pass after the first scores the rollout under the policy the last one left: its ratios
+    move off 1, and the clip range bounds how far. The update is cheap beside the rollout, so passes are a lever on
+    learning per second."""
     kl_beta: float = 0.0
     """beta, weight of the KL to the base model per trained step (0 in the reference). Its scale depends on
     --kl-form: Flow-GRPO's 0.01-0.04 on SD3.5 are for --kl-form flow-grpo; the exact form is 1 / (-dt) times larger,
@@ -326,8 +331,8 @@ PRESETS = {
     # (card and pipeline), true CFG 4 against the negative prompt " " (card; the pipeline's true_cfg_scale default is
     # 4 too). Its scheduler shifts the schedule by exp(mu), mu = calculate_shift(6889 tokens, 256, 8192, 0.5, 0.9) =
     # 0.834: 2.30 (recompute for other sizes); it also stretches the schedule to end at sigma 0.02 before 0
-    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3, G 8;
-    # calls of 8 (16 sequences with CFG) and decodes of 2 images (tools/plan.py: 24 and 16 would need 148 GiB)
+    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3,
+    # G 8; calls of 8 (16 sequences with CFG) and decodes of 2 images (tools/plan.py: 24 and 16 would need 148 GiB)
     "qwenimage": dict(model_path="Qwen/Qwen-Image", guidance=4.0, max_sequence_length=512, resolution=1328,
                       num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
                       max_batch=8, reward_batch_size=2, output_dir="runs/qwenimage"),
@@ -510,7 +515,7 @@ RULES = {
     "max_grad_norm": above(0, " (reference 1)"), "window_size": at_least(1), "window_stride": at_least(1),
     "window_every": at_least(1), "window_end": at_least(0, " (0 = N)"), "kl_beta": at_least(0, " (0 = no KL term)"),
     "timestep_fraction": ((lambda v: 0 < v <= 1), "in (0, 1] (DanceGRPO 0.6; 1 = every step)"),
-    "member_chunks": at_least(1, " (1 = one optimizer step an iteration)"),
+    "member_chunks": at_least(1, " (1 = one optimizer step an iteration)"), "inner_epochs": at_least(1),
     "ema_decay": ((lambda v: 0 <= v < 1), "in [0, 1) (0 = no EMA)"), "ema_every": at_least(1),
     "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
     "final_eval_seeds": at_least(0, " (0 = --eval-seeds)"),

@@ -121,7 +121,8 @@ def optimizer_step(params, optimizer, max_grad_norm):
 
 def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *, eta, clip_range, max_grad_norm,
                  step_per_sde_step=True, max_batch=64, kl_beta=0.0, base_velocity_fn=None, sde_type="flow",
-                 kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None, all_sum=None, world=1):
+                 kl_form="exact", train_mask=None, member_chunks=1, sync_rows=None, all_sum=None, world=1,
+                 inner_epochs=1):
     """Policy update on one rollout. advantages: (B, K, G). Returns the statistics averaged over the trained steps:
     loss (the clipped objective plus beta * KL), kl, approx_kl, clipfrac, ratio_mean, ratio_max (the max),
     ratio_min (the min), grad_norm (over the steps taken), the counts optimizer_steps and skipped_steps, and
@@ -136,6 +137,8 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     train_mask: None (every member trains every step), or (B, K, G) bool, the steps each member trains (DanceGRPO's
     random subset per member). sync_rows: see `step_loss_backward`. all_sum(n): the sum of n over the `world`
     ranks, so that a mean over (member, step) pairs is over every rank's pairs (DDP then averages the gradients).
+    inner_epochs: passes over the rollout (PPO's epochs; 1 in the reference); a pass after the first scores the
+    rollout under the policy the previous one left, so its ratios move off 1 and the clip bounds how far.
     """
     B, K, G = advantages.shape
     options = dict(eta=eta, clip_range=clip_range, max_batch=max_batch, kl_beta=kl_beta,
@@ -145,32 +148,35 @@ def g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, *,
     chunks = torch.arange(G).tensor_split(1 if step_per_sde_step else member_chunks)  # member indices, (G/C,) each
     weighted = train_mask is not None or len(chunks) > 1
     all_sum = all_sum or (lambda n: n)
-    if not weighted:
-        for ki in range(K):
-            # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
-            per_step.append(step_loss_backward(
-                velocity_fn, rollout, advantages[:, ki], sigmas, ki,
-                loss_scale=1.0 if step_per_sde_step else 1.0 / K, **options))
-            if step_per_sde_step or ki == K - 1:
-                grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
-    else:
-        mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
-        for members in chunks:
-            in_chunk = torch.zeros(G, dtype=torch.bool)  # (G,)
-            in_chunk[members] = True
-            pairs = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step (or steps)
-            chunk_pairs = all_sum(int(pairs.sum()))  # on every rank
+    mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
+    for _ in range(inner_epochs):
+        if not weighted:
             for ki in range(K):
-                # L = sum over the step's pairs of l / n: the mean over every rank's pairs of one optimizer step, over
-                # step k's, or over the chunk's of every k (times `world`: DDP divides the summed gradient by it)
-                total = all_sum(int(pairs[:, ki].sum())) if step_per_sde_step else chunk_pairs
-                if total == 0:  # no rank trains this step: no forward, no optimizer step
-                    continue
-                weights = pairs[:, ki].float() * world / total  # (B, G)
-                per_step.append(step_loss_backward(velocity_fn, rollout, advantages[:, ki], sigmas, ki,
-                                                   loss_scale=1.0, weights=weights, sync_rows=sync_rows, **options))
+                # L = mean_k L_k: each step's gradient is scaled by 1/K when one optimizer step takes them all
+                per_step.append(step_loss_backward(
+                    velocity_fn, rollout, advantages[:, ki], sigmas, ki,
+                    loss_scale=1.0 if step_per_sde_step else 1.0 / K, **options))
                 if step_per_sde_step or ki == K - 1:
                     grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
+        else:
+            for members in chunks:
+                in_chunk = torch.zeros(G, dtype=torch.bool)  # (G,)
+                in_chunk[members] = True
+                pairs = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step (or steps)
+                chunk_pairs = all_sum(int(pairs.sum()))  # on every rank
+                for ki in range(K):
+                    # L = sum over the step's pairs of l / n: the mean over every rank's pairs of one optimizer
+                    # step, over step k's, or over the chunk's of every k (times `world`: DDP divides the summed
+                    # gradient by it)
+                    total = all_sum(int(pairs[:, ki].sum())) if step_per_sde_step else chunk_pairs
+                    if total == 0:  # no rank trains this step: no forward, no optimizer step
+                        continue
+                    weights = pairs[:, ki].float() * world / total  # (B, G)
+                    per_step.append(step_loss_backward(velocity_fn, rollout, advantages[:, ki], sigmas, ki,
+                                                       loss_scale=1.0, weights=weights, sync_rows=sync_rows,
+                                                       **options))
+                    if step_per_sde_step or ki == K - 1:
+                        grad_norms.append(optimizer_step(params, optimizer, max_grad_norm))
     first = per_step[0] if per_step else None  # scored before the first optimizer step
     per_step = [s for s in per_step if s is not None]  # (steps no member of this rank trains give None)
     if not per_step:

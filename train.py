@@ -110,7 +110,8 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
                              base_velocity_fn=base_velocity_fn(args, policy, cond),
                              sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
                              member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed),
-                             all_sum=lambda n: all_sum(n, distributed), world=world)
+                             all_sum=lambda n: all_sum(n, distributed), world=world,
+                             inner_epochs=args.inner_epochs)
         if first_update_check is not None:
             first_update_check.after(stats)
         if policy.fp8 is not None and args.full and stats["optimizer_steps"]:
@@ -119,8 +120,8 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
     elif finite_rewards:
         stats = {"optimizer_steps": 0, "skipped_steps": 0}
     else:
-        stats = {"optimizer_steps": 0,
-                 "skipped_steps": len(steps) if args.step_per_sde_step else args.member_chunks}
+        stats = {"optimizer_steps": 0, "skipped_steps": args.inner_epochs * (
+            len(steps) if args.step_per_sde_step else args.member_chunks)}
     if policy.ema is not None and stats["optimizer_steps"]:  # weights that did not move add nothing to average
         policy.ema.update(it + 1)
     t3 = time.time()
@@ -389,7 +390,8 @@ class FirstUpdateChecks:
             self.log(f"note: first-step ratio check: up to {worst:.3g} from 1, within --clip-range {clip:g} but not "
                      f"exact: {cause}")
         else:
-            self.log(f"first-step ratio check passed: the first trained step's ratios are within {worst:.2g} of 1")
+            within = "exactly 1" if worst == 0 else f"within {worst:.2g} of 1"
+            self.log(f"first-step ratio check passed: the first trained step's ratios are {within}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 Run: python -m pytest -q tests/test_method.py
 """
+import copy
 import math
 
 import pytest
@@ -306,6 +307,29 @@ def test_one_iteration_learns():
     assert stats["optimizer_steps"] == 3 and stats["skipped_steps"] == 0 and stats["grad_norm"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(params, before))
     assert frozen(step_per_sde_step=False)["loss"] < loss_before
+
+
+@pytest.mark.parametrize("step_per_sde_step", [True, False])
+def test_inner_epochs_pass_over_the_rollout_again(step_per_sde_step):
+    """--inner-epochs 2: twice the optimizer steps; the first epoch is the single pass (the same first step, ratio
+    exactly 1 before any optimizer step); the second scores the rollout under the moved policy (ratios off 1)."""
+    torch.manual_seed(0)
+    net = Affine(6, 2)
+    sigmas = sigma_schedule(6, 3.0)
+    out = rollout_g2rpo(net, torch.randn(2, 6), sigmas, generators(2), group_size=4, sde_steps=[0, 1],
+                        granularities=[1, 2], eta=0.7)
+    adv = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1))
+    params = list(net.parameters())
+    start = copy.deepcopy(net.state_dict())
+    kw = dict(**UPDATE, step_per_sde_step=step_per_sde_step)
+    once = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **kw)
+    after_once = [p.detach().clone() for p in params]
+    net.load_state_dict(start)
+    twice = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, inner_epochs=2, **kw)
+    assert twice["optimizer_steps"] == 2 * once["optimizer_steps"] == (4 if step_per_sde_step else 2)
+    assert twice["first_ratio_error"] == once["first_ratio_error"] < 1e-6
+    assert twice["ratio_max"] - 1 > once["ratio_max"] - 1 or twice["ratio_min"] < once["ratio_min"]
+    assert all(not torch.equal(p, q) for p, q in zip(params, after_once))  # the second pass moved them on
 
 
 def test_kl_term_zero_at_the_base_and_positive_after_an_update():

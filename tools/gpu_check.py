@@ -633,8 +633,9 @@ def report(result: dict):
         print(f"FP8 copy: {result['quantized_layers']} linear layers quantized, {_num(result['copy_gib'])} GiB, "
               f"built in {_num(result['build_s'])} s; re-quantizing them all (a full fine-tune, after each update) "
               f"{_num(result['refresh_s'])} s\n")
-        print("| rollout forward | resolution | max batch | s/image | TFLOP/s | of bf16 peak | of FP8 peak | speed-up over "
-              "the policy | warm-up s | PSNR against the policy, dB (min / mean) |\n|---|---|---|---|---|---|---|---|---|---|")
+        print("| rollout forward | resolution | max batch | s/image | TFLOP/s | of bf16 peak | of FP8 peak | "
+              "speed-up over the policy | warm-up s | PSNR against the policy, dB (min / mean) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
         for row in result["rows"]:
             db = row.get("psnr_db")
             print(f"| {row['variant']} | {row['resolution']} | {row['max_batch']} | {_num(row['s_per_image'])} | "
@@ -643,12 +644,13 @@ def report(result: dict):
                   f"{f'{min(db):.1f} / {sum(db) / len(db):.1f}' if db else ''} |")
     elif kind == "fp8_iteration":
         s = result["seconds"]
-        print(f"| one iteration, FP8 copy | Λ | NFE (on the copy) | rollout s | decode + reward s | update s | warm-up s | "
-              f"peak GiB | first-step ratio error | skipped steps |\n|---|---|---|---|---|---|---|---|---|---|")
-        print(f"| {result['resolution']}² | {result['granularities']} | {result['nfe']} ({result['image_only_nfe']}) | "
-              f"{_num(s['rollout'])} | {_num(s['decode_and_reward'])} | {_num(s['update'])} | "
-              f"{_num(result['warmup_s'])} | {_num(result['peak_gib'])} | {_num(result['first_ratio_error'])} | "
-              f"{result['skipped_steps']} |")
+        print("| one iteration, FP8 copy | Λ | NFE (on the copy) | rollout s | decode + reward s | update s | "
+              "warm-up s | peak GiB | first-step ratio error | skipped steps |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| {result['resolution']}² | {result['granularities']} | {result['nfe']} "
+              f"({result['image_only_nfe']}) | {_num(s['rollout'])} | {_num(s['decode_and_reward'])} | "
+              f"{_num(s['update'])} | {_num(result['warmup_s'])} | {_num(result['peak_gib'])} | "
+              f"{_num(result['first_ratio_error'])} | {result['skipped_steps']} |")
     else:
         print(LEVER_HEADER)
         print("\n".join(row for p in result["probes"] for row in lever_rows(result["lever"], p)))
