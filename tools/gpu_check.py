@@ -33,8 +33,9 @@ a random-weight VAE of FLUX.1's config for the decode; the tiny world's pixel ru
 forward is not timed).
 
 Run:
-    python -m tools.gpu_check                  # one GPU, FLUX-sized: parts 1-4 took 463 s on an H200 (--budget-s 520)
-    python -m tools.gpu_check --parts tiny gradient fp8   # the FP8 part first (not yet run on a GPU)
+    python -m tools.gpu_check                  # one GPU, FLUX-sized: parts 1-4 took 463 s on an H200 (--budget-s 520;
+                                               # with part 5 before the levers, the budget now skips some levers)
+    python -m tools.gpu_check --parts tiny gradient fp8   # the FP8 part alone after the checks (not yet run on a GPU)
     python -m tools.gpu_check --config small   # CPU, about a minute: the same code on a tiny transformer
 Part 5 needs torchao on the GPU (requirements-fp8.txt); on the CPU it runs with `kernels.round_to_fp8_rows`, the
 weight-rounding stand-in, so the small config checks its plumbing, not its speed.
@@ -442,13 +443,21 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     noise = adapter.noise([torch.Generator().manual_seed(0)], resolution)  # (B, L, 4C), B = 1
     options = dict(group_size=scale.group_size, sde_steps=list(scale.sde_steps),
                    granularities=list(scale.fp8_granularities), eta=ETA, max_batch=scale.max_batch)
-    # an untimed rollout first: it compiles both models at every batch size the rollout meets
-    _, warmup_s = timed(lambda: rollout_g2rpo(velocity_fn, noise, sigmas, [torch.Generator().manual_seed(1)],
-                                              image_only_fn=image_only_fn, **options))
+    # warm-up: both models compiled at the rollout's two main batch sizes (the anchor's 1, the copy's max batch); a
+    # whole untimed rollout first would take as long as the timed one. The rollout's odd-sized calls still compile
+    # inside it: `projected_rollout_s` is its forwards at the warm speeds
+    device, full = adapter.device, scale.max_batch
+    at = lambda n: (noise.expand(n, *noise.shape[1:]).contiguous(), torch.full((n,), 0.5, device=device),
+                    torch.zeros(n, dtype=torch.long, device=device))
+    with torch.no_grad():
+        _, warmup_s = timed(lambda: (velocity_fn(*at(1)), image_only_fn(*at(full))))
+        _, policy_s = timed(lambda: velocity_fn(*at(1)))
+        _, copy_s = timed(lambda: image_only_fn(*at(full)))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     rollout, rollout_s = timed(lambda: rollout_g2rpo(velocity_fn, noise, sigmas, [torch.Generator().manual_seed(1)],
                                                      image_only_fn=image_only_fn, **options))
+    projected = (rollout.nfe - rollout.image_only_nfe) * policy_s + rollout.image_only_nfe * copy_s / full
     rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
     advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     optimizer = torch.optim.AdamW(params, lr=0.0)
@@ -457,6 +466,7 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
         max_grad_norm=1.0, max_batch=scale.max_batch))
     return dict(resolution=resolution, granularities=list(scale.fp8_granularities), nfe=rollout.nfe,
                 image_only_nfe=rollout.image_only_nfe, calls=rollout.calls, warmup_s=warmup_s,
+                projected_rollout_s=projected,
                 seconds=dict(rollout=rollout_s, decode_and_reward=reward_s, update=update_s),
                 first_ratio_error=stats["first_ratio_error"], skipped_steps=stats["skipped_steps"],
                 peak_gib=peak_gib())
@@ -470,12 +480,16 @@ CASES = {"gradient": case_gradient, "iteration": case_iteration, "lever": case_l
 # the driver: plans the cases, runs each in a subprocess, records and prints the results as they come
 # ---------------------------------------------------------------------------------------------------------------
 def plan(scale: Scale, parts) -> list:
-    """The cases in order: correctness first, then timings (the riskiest levers last)."""
+    """The cases in order: correctness first, then the FP8 part (never yet run on a GPU, so first of the timings:
+    a run that meets its budget skips the levers measured before), then the levers (the riskiest last)."""
     cases, everywhere = [], list(scale.lever_resolutions)
     if "gradient" in parts:
         cases.append(dict(kind="gradient", resolution=scale.resolution))
     if "iteration" in parts:  # its probe is the baseline of the levers at its resolution
         cases.append(dict(kind="iteration", resolution=scale.resolution))
+    if "fp8" in parts:
+        cases.append(dict(kind="fp8", resolutions=everywhere))
+        cases.append(dict(kind="fp8_iteration", resolution=scale.resolution))
     if "levers" in parts:
         others = [r for r in everywhere if r != scale.resolution or "iteration" not in parts]
         if others:
@@ -483,9 +497,6 @@ def plan(scale: Scale, parts) -> list:
         cases.append(dict(kind="lever", lever="rollout attention cudnn", rollout_attention_backend="cudnn",
                           resolutions=everywhere))
         cases.append(dict(kind="lever", lever=f"compile ({scale.compile})", compile=True, resolutions=everywhere))
-    if "fp8" in parts:
-        cases.append(dict(kind="fp8", resolutions=everywhere))
-        cases.append(dict(kind="fp8_iteration", resolution=scale.resolution))
     if "levers" in parts and scale.compile == "inductor":  # GPU only: CUDA graphs and FlashAttention-3
         cases.append(dict(kind="lever", lever="compile max-autotune (CUDA graphs)", compile=True,
                           compile_mode="max-autotune", resolutions=everywhere))
@@ -644,11 +655,12 @@ def report(result: dict):
                   f"{f'{min(db):.1f} / {sum(db) / len(db):.1f}' if db else ''} |")
     elif kind == "fp8_iteration":
         s = result["seconds"]
-        print("| one iteration, FP8 copy | Λ | NFE (on the copy) | rollout s | decode + reward s | update s | "
-              "warm-up s | peak GiB | first-step ratio error | skipped steps |\n"
+        print("| one iteration, FP8 copy | Λ | NFE (on the copy) | rollout s (at warm speed) | decode + reward s | "
+              "update s | warm-up s | peak GiB | first-step ratio error | skipped steps |\n"
               "|---|---|---|---|---|---|---|---|---|---|")
         print(f"| {result['resolution']}² | {result['granularities']} | {result['nfe']} "
-              f"({result['image_only_nfe']}) | {_num(s['rollout'])} | {_num(s['decode_and_reward'])} | "
+              f"({result['image_only_nfe']}) | {_num(s['rollout'])} ({_num(result['projected_rollout_s'])}) | "
+              f"{_num(s['decode_and_reward'])} | "
               f"{_num(s['update'])} | {_num(result['warmup_s'])} | {_num(result['peak_gib'])} | "
               f"{_num(result['first_ratio_error'])} | {result['skipped_steps']} |")
     else:
