@@ -237,6 +237,17 @@ def repeated_blocks(transformer):
     return list(transformer.transformer_blocks)
 
 
+def fp8_layers(transformer) -> list:
+    """(name, linear layer) of what an FP8 copy quantizes: the linear layers of the repeated blocks, but the LoRA
+    adapters' and the modulation's, with sides that are multiples of 16 (FP8 matrix multiplies need them)."""
+    blocks = {id(b) for b in repeated_blocks(transformer)}
+    return [(f"{block_name}.{path}", linear) for block_name, block in transformer.named_modules() if id(block) in blocks
+            for path, linear in block.named_modules()
+            if isinstance(linear, torch.nn.Linear) and "lora_" not in path
+            and not any(word in path for word in MODULATION)
+            and linear.in_features % 16 == 0 and linear.out_features % 16 == 0]
+
+
 class Float8Copy:
     """The transformer's FP8 twin for the forwards whose velocity no log-probability reads (sampler.py's
     `image_only_fn`). The linear layers of its repeated blocks (attention and feed-forward; not the modulation,
@@ -249,20 +260,15 @@ class Float8Copy:
     ones, so the twin follows every optimizer step at no cost. Full fine-tune: `refresh` re-quantizes every linear
     layer from the current weights, after each update (its seconds: `refreshed_s`).
     `quantize`: the function that quantizes one linear layer in place (default torchao's; `round_to_fp8_rows` on a
-    CPU). `names`: the quantized layers.
+    CPU). `names`: the quantized layers (`fp8_layers`).
     """
 
     def __init__(self, transformer, compile="inductor", quantize=None):
         self.module = _twin(transformer)
         self.quantize = quantize or _torchao_float8()
-        names = {m: name for name, m in self.module.named_modules()}
-        blocks = zip(repeated_blocks(self.module), repeated_blocks(transformer))
-        self.pairs = [(twin, source) for twin_block, block in blocks
-                      for (path, twin), source in zip(twin_block.named_modules(), block.modules())
-                      if isinstance(twin, torch.nn.Linear) and "lora_" not in path
-                      and not any(word in path for word in MODULATION)
-                      and twin.in_features % 16 == 0 and twin.out_features % 16 == 0]  # FP8 matmuls' sides
-        self.names = [names[twin] for twin, _ in self.pairs]
+        chosen = fp8_layers(self.module)  # the twin's layers, in the order of the transformer's own
+        self.pairs = list(zip((twin for _, twin in chosen), (source for _, source in fp8_layers(transformer))))
+        self.names = [name for name, _ in chosen]
         self.refreshed_s = 0.0
         self.refresh()
         if compile:

@@ -101,6 +101,24 @@ def test_another_familys_plan_matches_a_real_cpu_run(family, tmp_path):
     assert_agree(plan.plan(args, fake=True, log=lambda m: None)[0], plan.plan(args, fake=False, log=lambda m: None)[0])
 
 
+def test_an_fp8_run_holds_its_copy_in_every_phase(fused):
+    """--rollout-precision fp8 adds the copy's bytes to every phase's weights: one a quantized weight (the blocks'
+    attention and feed-forward layers, kernels.fp8_layers), four a row for its scales, and (the tiny preset is a full
+    fine-tune) two a row for its bf16 bias."""
+    import tiny
+    from kernels import fp8_layers
+
+    with_copy, notes, _ = plan.plan(small_args("--rollout-precision", "fp8"), log=lambda m: None)
+    plain = fused[0]
+    layers = [linear for _, linear in fp8_layers(tiny.build_pipeline(seed=0).transformer)]
+    extra = sum(linear.weight.numel() + 4 * linear.out_features + 2 * linear.out_features * (linear.bias is not None)
+                for linear in layers)
+    assert extra > 0 and [r.phase for r in with_copy] == [r.phase for r in plain]
+    for a, b in zip(with_copy, plain):
+        assert a.cost.peak["weights"] - b.cost.peak["weights"] == extra, a.phase
+    assert any(note.startswith(f"FP8 rollout copy: {len(layers)} linear layers") for note in notes)
+
+
 def test_plan_counts_the_math_kernels_scores(fused):
     """The math kernel holds the attention scores: the fake run must count them as the real one allocates them."""
     simulated, real = plans("--attention-backend", "math", "--rollout-attention-backend", "math")

@@ -38,6 +38,7 @@ inside its own package, unifiedreward on a server), and how far below the FLOP f
 Run:
     python -m tools.plan --model flux --lora-rank 64 --lr 1e-4                   # one GPU, LoRA (the README's command)
     python -m tools.plan --model flux --lora-rank 64 --offload-text-encoders
+    python -m tools.plan --model flux --lora-rank 64 --lr 1e-4 --rollout-precision fp8   # with the FP8 rollout copy
     python -m tools.plan --model flux --gpus 8                                   # one rank of 8, full fine-tune, FSDP2
     python -m tools.plan --model sd3                                             # SD3.5 Medium, LoRA
     python -m tools.plan --model zimage                                          # Z-Image-Turbo, LoRA (1 min here)
@@ -665,6 +666,9 @@ def _plan(args, fake, log, mesh=None):
                         note=f"{evaluations} evaluations per run"))
         log(f"evaluation simulated ({time.time() - started:.0f} s)")
 
+    if args.rollout_precision == "fp8":
+        rows, note = with_fp8_copy(rows, policy.transformer, args.full)
+        notes.append(note)
     lora_grads = (sum(p.numel() * 4 for p in policy.params) if args.lora_rank and world > 1 else 0)
     notes.append(checkpoint_cost(args, policy, world))
     notes.append(preemption_cost(args, rows, policy))
@@ -679,6 +683,21 @@ def _plan(args, fake, log, mesh=None):
     if skipped:
         notes.append(f"not simulated (their models live outside this process's device code): {', '.join(skipped)}")
     return rows, notes, evaluations
+
+
+def with_fp8_copy(rows, transformer, full: bool):
+    """--rollout-precision fp8: the copy's tensors (kernels.Float8Copy), resident from the start, added to every
+    phase as weights: one byte a quantized weight, its fp32 per-row scales, and a full fine-tune's bf16 biases. Its
+    forwards' activations are counted as the bf16 call's (the FP8 activations are smaller, their scales negligible).
+    Returns (rows, the note that says so)."""
+    from kernels import fp8_layers
+
+    layers = [linear for _, linear in fp8_layers(transformer)]
+    extra = sum(linear.weight.numel() + 4 * linear.out_features
+                + (2 * linear.out_features if full and linear.bias is not None else 0) for linear in layers)
+    rows = [Row(row.phase, added(row.cost, extra, "weights"), row.calls, row.note) for row in rows]
+    return rows, (f"FP8 rollout copy: {len(layers)} linear layers, {extra / GiB:.2f} GiB, in every phase's weights "
+                  f"(its forwards' activations counted as the bf16 call's)")
 
 
 def checkpoint_bytes(policy):
@@ -801,6 +820,9 @@ def main(argv=None):
                                                      args.grace_s)):
         fail("--gpu-memory-gib, --peak-tflops, --disk-gb-per-s and --grace-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
+    if args.rollout_precision == "fp8" and args.full and args.gpus > 1:  # as train.py refuses it (FSDP2)
+        fail(f"--rollout-precision fp8 does not support a full fine-tune on {args.gpus} GPUs yet (FSDP2); plan one GPU, "
+             f"or LoRA (--lora-rank)")
     if args.model not in (*CONFIGS, "tiny"):
         fail(f"plan.py builds {', '.join(CONFIGS)} and tiny so far; --model {args.model} is not planned yet")
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
