@@ -142,7 +142,7 @@ def cuda_attention(update_backend: str, rollout_backend: str):
                 # is expanded to the scores' shape as a view: (B, 1, 1, L) masks cost no (B, heads, L, L) tensor
                 bias = None
                 if attn_mask is not None:
-                    bias = (torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+                    bias = (torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
                             if attn_mask.dtype == torch.bool else attn_mask.to(query.dtype))
                     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
                 return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -386,7 +386,9 @@ def _build_qwenimage(args, folder, dtype, transformer_dtype, fake_mode):
     """Qwen-Image: Qwen2.5-VL-7B (its language model's last hidden states are the caption; the vision tower is
     loaded with it), the 20 B MMDiT transformer, its causal VAE. The pipeline keeps each caption's tokens with
     a data-dependent split (`_extract_masked_hidden`), which fake tensors cannot take: the plan keeps every token
-    of the padded batch instead, an upper bound, as `NoValues` does for a mask."""
+    of the padded batch instead, as `NoValues` does for a mask. The stand-in tokenizer makes the plan's prompt a
+    caption of about 16 tokens (its template's 34 dropped): a real prompt's hundred or so would add about 1 % to the
+    6,889 image tokens of 1328^2, 7 % at --max-sequence-length 512."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -689,7 +691,8 @@ def with_fp8_copy(rows, transformer, full: bool):
     """--rollout-precision fp8: the copy's tensors (kernels.Float8Copy), resident from the start, added to every
     phase as weights: one byte a quantized weight, its fp32 per-row scales, and a full fine-tune's bf16 biases. Its
     forwards' activations are counted as the bf16 call's (the FP8 activations are smaller, their scales negligible).
-    Returns (rows, the note that says so)."""
+    The plan counts the bytes whatever the run's precision; train.py refuses FP8 in an fp32 run. Returns (rows, the
+    note that says so)."""
     from kernels import fp8_layers
 
     layers = [linear for _, linear in fp8_layers(transformer)]
@@ -792,9 +795,10 @@ def report(args, rows, notes, evaluations) -> str:
                      f"{p['optimizer']:.2f} | {p['activations']:.2f} | {p['other']:.2f} | "
                      f"{row.cost.flops / 1e12:.2f} | {row.calls:g}{' (' + row.note + ')' if row.note else ''} | "
                      f"{floor:.2f} |")
+    floor_s = iteration_flops / (args.peak_tflops * 1e12)
     lines += ["", f"one iteration: {iteration_flops / 1e12:,.0f} TFLOP per rank (evaluation amortised), time floor "
-                  f"{iteration_flops / (args.peak_tflops * 1e12):.1f} s at {args.peak_tflops:g} TFLOP/s; "
-                  f"{args.num_iterations} iterations: {args.num_iterations * iteration_flops / (args.peak_tflops * 1e12) / 3600:.1f} h"]
+                  f"{floor_s:.1f} s at {args.peak_tflops:g} TFLOP/s; "
+                  f"{args.num_iterations} iterations: {args.num_iterations * floor_s / 3600:.1f} h"]
     lines += notes
     worst = max(rows, key=lambda r: r.cost.peak["total"])
     need = worst.cost.peak["total"] / GiB
@@ -821,8 +825,8 @@ def main(argv=None):
         fail("--gpu-memory-gib, --peak-tflops, --disk-gb-per-s and --grace-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
     if args.rollout_precision == "fp8" and args.full and args.gpus > 1:  # as train.py refuses it (FSDP2)
-        fail(f"--rollout-precision fp8 does not support a full fine-tune on {args.gpus} GPUs yet (FSDP2); plan one GPU, "
-             f"or LoRA (--lora-rank)")
+        fail(f"--rollout-precision fp8 does not support a full fine-tune on {args.gpus} GPUs yet (FSDP2); plan one "
+             f"GPU, or LoRA (--lora-rank)")
     if args.model not in (*CONFIGS, "tiny"):
         fail(f"plan.py builds {', '.join(CONFIGS)} and tiny so far; --model {args.model} is not planned yet")
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
