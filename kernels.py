@@ -202,13 +202,22 @@ def fp8_problem(world: int, full: bool, mixed_precision: str) -> str | None:
     if mixed_precision != "bf16":
         return ("--rollout-precision fp8 quantizes bf16 weights for a bf16 run, and this one computes in fp32 "
                 "(--mixed-precision no, which the tiny preset sets): add --mixed-precision bf16, or drop the flag")
-    if world > 1 and full:
-        return (f"--rollout-precision fp8 does not support a full fine-tune on {world} ranks yet (FSDP2 shards the "
-                f"weights the FP8 copy would quantize); use one GPU, or LoRA (--lora-rank) on many")
+    sharded = fp8_sharding_problem(world, full)
+    if sharded:
+        return sharded
     try:
         import torchao.quantization  # noqa: F401
     except ImportError:
         return f"--rollout-precision fp8 needs torchao, which is not installed: {TORCHAO_HINT}"
+    return None
+
+
+def fp8_sharding_problem(world: int, full: bool) -> str | None:
+    """The one refusal of --rollout-precision fp8 that follows from the flags alone (tools/plan.py makes it too):
+    a full fine-tune on many ranks, whose weights FSDP2 shards."""
+    if world > 1 and full:
+        return (f"--rollout-precision fp8 does not support a full fine-tune on {world} ranks yet (FSDP2 shards the "
+                f"weights the FP8 copy would quantize); use one GPU, or LoRA (--lora-rank) on many")
     return None
 
 

@@ -31,13 +31,14 @@ class Recorder:
         return self.scale * x + sigma.view(-1, *[1] * (x.ndim - 1))
 
 
-def rollouts(rollout_fn, fp8, **options):
-    """The rollout with one velocity function for every forward, and with the image-only ones on `fp8`."""
+def rollouts(rollout_fn, fp8, trained=None, **options):
+    """The rollout with one velocity function for every forward, and with the image-only ones on `fp8` (the others
+    on `trained`, by default a Recorder of the same map)."""
     sigmas = sigma_schedule(6, 3.0)
     noise = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))  # (B, ...)
     make = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
     plain = rollout_fn(Recorder(-0.5), noise, sigmas, make(), group_size=3, eta=0.7, **options)
-    trained = Recorder(-0.5)
+    trained = trained or Recorder(-0.5)
     split = rollout_fn(trained, noise, sigmas, make(), group_size=3, eta=0.7, image_only_fn=fp8, **options)
     return sigmas, plain, split, trained
 
@@ -73,13 +74,8 @@ def test_the_same_function_for_both_is_the_rollout_without_one(sampling):
     calls included: the split adds no arithmetic. (That the bf16 path equals the code before the split was checked
     by running both commits: docs/performance.md, "FP8 rollouts".)"""
     fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2, 3])), "full": (rollout_full_sde, {})}[sampling]
-    sigmas = sigma_schedule(6, 3.0)
-    noise = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))  # (B, ...)
     velocity = Recorder(-0.5)
-    make = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
-    plain = fn(velocity, noise, sigmas, make(), group_size=3, eta=0.7, sde_steps=[0, 2], **options)
-    split = fn(velocity, noise, sigmas, make(), group_size=3, eta=0.7, sde_steps=[0, 2], image_only_fn=velocity,
-               **options)
+    _, plain, split, _ = rollouts(fn, velocity, trained=velocity, sde_steps=[0, 2], **options)
     for name in ("latents", "next_latents", "old_log_probs", "final_latents"):
         assert torch.equal(getattr(split, name), getattr(plain, name)), name
     assert (split.nfe, split.calls) == (plain.nfe, plain.calls) and split.image_only_nfe > 0 == plain.image_only_nfe

@@ -177,9 +177,11 @@ def build(scale: Scale, options: dict):
     return adapter, cond, [p for p in transformer.parameters() if p.requires_grad]
 
 
-def velocity_at(adapter, cond, resolution):
-    """The velocity function the rollout and the update call, as the trainer builds it: v(x, sigma | prompt)."""
-    return lambda x, sigma, index: adapter.velocity(adapter.transformer, cond, x, sigma, index, resolution)
+def velocity_at(adapter, cond, resolution, module=None):
+    """The velocity function the rollout and the update call, as the trainer builds it: v(x, sigma | prompt), of the
+    adapter's transformer or of `module` (the FP8 copy's)."""
+    module = adapter.transformer if module is None else module
+    return lambda x, sigma, index: adapter.velocity(module, cond, x, sigma, index, resolution)
 
 
 def timed(fn):
@@ -393,7 +395,7 @@ def case_fp8(scale: Scale, case: dict) -> dict:
     rows = []
     for resolution in case["resolutions"]:
         bf16 = velocity_at(adapter, cond, resolution)
-        quantized = lambda x, sigma, index: adapter.velocity(fp8.module, cond, x, sigma, index, resolution)
+        quantized = velocity_at(adapter, cond, resolution, fp8.module)
         noise = adapter.noise([torch.Generator().manual_seed(s) for s in range(4)], resolution)  # (4, L, 4C)
         index = torch.zeros(1, dtype=torch.long, device=device)
         flops = count_flops(lambda: torch.no_grad()(bf16)(noise[:1], sigmas[:1].to(device), index))
@@ -438,7 +440,7 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     resolution, (adapter, cond, params) = case["resolution"], build(scale, dict(compile=scale.compile))
     fp8 = fp8_copy(adapter, scale)
     velocity_fn = velocity_at(adapter, cond, resolution)
-    image_only_fn = lambda x, sigma, index: adapter.velocity(fp8.module, cond, x, sigma, index, resolution)
+    image_only_fn = velocity_at(adapter, cond, resolution, fp8.module)
     sigmas = sigma_schedule(scale.num_steps, SHIFT)
     noise = adapter.noise([torch.Generator().manual_seed(0)], resolution)  # (B, L, 4C), B = 1
     options = dict(group_size=scale.group_size, sde_steps=list(scale.sde_steps),

@@ -68,7 +68,7 @@ import flags
 import rewards
 import train
 from g2rpo import optimizer_step, step_loss_backward
-from kernels import sdpa_backends
+from kernels import fp8_sharding_problem, sdpa_backends
 from models import ADAPTERS
 from checkpoint import EXPORT_SHARD_BYTES
 from flags import fail
@@ -824,9 +824,9 @@ def main(argv=None):
                                                      args.grace_s)):
         fail("--gpu-memory-gib, --peak-tflops, --disk-gb-per-s and --grace-s must be finite numbers > 0")
     flags.check_flags(args, args.gpus, log=print)
-    if args.rollout_precision == "fp8" and args.full and args.gpus > 1:  # as train.py refuses it (FSDP2)
-        fail(f"--rollout-precision fp8 does not support a full fine-tune on {args.gpus} GPUs yet (FSDP2); plan one "
-             f"GPU, or LoRA (--lora-rank)")
+    sharded = fp8_sharding_problem(args.gpus, args.full) if args.rollout_precision == "fp8" else None
+    if sharded:  # as train.py refuses it
+        fail(sharded)
     if args.model not in (*CONFIGS, "tiny"):
         fail(f"plan.py builds {', '.join(CONFIGS)} and tiny so far; --model {args.model} is not planned yet")
     folder = args.configs or os.path.join(ROOT, CONFIGS.get(args.model, ""))
