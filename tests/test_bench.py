@@ -42,3 +42,15 @@ def test_intervals_on_hand_made_numbers():
     unpaired_gap, unpaired_half = bench.gap_interval(a, b, paired=False)
     assert abs(unpaired_gap - gap) < 1e-12 and unpaired_half > 10 * half
     assert bench.t975(1) == 12.706 and bench.t975(23.7) == 2.074 and bench.t975(1000) == 1.96
+
+
+def test_the_budget_counts_the_runs_own_flags():
+    # each row's iterations follow its rollout NFE under the run's own flags, --extra included: G2RPO (N 8, M 0..3,
+    # Lambda {1, 2, 3}) costs the anchor's 8 forwards a prompt plus 27 a member, full SDE G N a prompt
+    tiny = ["--model", "tiny", "--prompts-per-iteration", "2"]
+    assert bench._nfe_per_iteration([*tiny, "--group-size", "4"]) == 2 * (8 + 4 * 27)
+    assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--sampling", "full"]) == 2 * 4 * 8
+    args = bench.Args(budget_nfe=3000, seeds=1, prompts_per_iteration=2, extra=("--group-size", "4"),
+                      methods=("full SDE, same M",))
+    iterations = {name: int(argv[argv.index("--num-iterations") + 1]) for name, _, argv, _ in bench.bench_runs(args)}
+    assert iterations == {"G2RPO {1,2,3}": 3000 // 232, "full SDE, same M": 3000 // 64}

@@ -50,6 +50,9 @@ class Args:
     """Part 3: noise seeds per held-out prompt at the intermediate evaluations (12 prompts each)."""
     final_eval_seeds: int = 96
     """Part 3: noise seeds per held-out prompt at the budget (96: 1,152 images, a standard error <= 0.015)."""
+    prompts_per_iteration: int = 4
+    """Part 3: prompts of every run's iteration. At equal rollout NFE, fewer learn less on the tiny world (40,000
+    NFE, G2RPO: 1 or 2 prompts an iteration lost reward on some seeds, 4 to 16 gained alike; docs/performance.md)."""
     methods: tuple[str, ...] = ()
     """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always
     run); () = all."""
@@ -199,7 +202,7 @@ def _per_member(rollout):
 # ---------------------------------------------------------------------------------------------------------------
 # part 3: learning per unit of compute, with intervals and controls
 # ---------------------------------------------------------------------------------------------------------------
-# Every method trains the tiny preset (G 8, N 8, M 0..3, lr 1e-4, 4 prompts an iteration) for the same rollout NFE.
+# Every method trains the tiny preset (G 8, N 8, M 0..3, lr 1e-4; --prompts-per-iteration, 4) for the same rollout NFE.
 # The headline rows are the paper's two claims, then the peers' recipes; the controls show what the bench can tell.
 HEADLINE = {
     "G2RPO {1,2,3}": [],
@@ -253,24 +256,7 @@ def gap_interval(values, baseline, paired):
 def part3(args):
     print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} training seeds a "
           f"method, {args.budget_nfe:,} rollout NFE each)\n")
-    base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration", "4",
-            "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
-            "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
-    runs, started = [], time.time()
-    chosen = {name: f for name, f in METHODS.items() if not args.methods or name in (G2RPO_ROW, *args.methods)}
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
-        raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
-    for name, method_flags in chosen.items():
-        # this method's rollout NFE per iteration, counted, sets its iteration count for the shared budget
-        iters = max(2, args.budget_nfe // _nfe_per_iteration(method_flags))
-        offset = OTHER_SEEDS if name == "control: G2RPO on other seeds" else 0
-        for seed in range(offset, offset + args.seeds):
-            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-            out = os.path.join(args.output_dir, f"{slug}_s{seed}")
-            argv = [*base, *method_flags, "--seed", str(seed), "--num-iterations", str(iters),
-                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out]
-            runs.append((name, seed, argv, out))
+    runs, started = bench_runs(args), time.time()
     todo = [run for run in runs if not _finished(*run[2:])]
     print(f"{len(runs)} runs, {len(runs) - len(todo)} already finished in {args.output_dir}; running {len(todo)} "
           f"({args.jobs or 1} at a time, one torch thread each)" if args.jobs else
@@ -285,6 +271,30 @@ def part3(args):
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
         json.dump({"curves": curves, "table": table, "budget_nfe": args.budget_nfe, "seeds": args.seeds}, f)
     return table
+
+
+def bench_runs(args):
+    """Part 3's training runs: (row name, seed, train.py flags, output folder) for each chosen row and seed."""
+    base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration",
+            str(args.prompts_per_iteration), "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
+            "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
+    runs = []
+    for name, method_flags in METHODS.items():
+        if args.methods and name not in (G2RPO_ROW, *args.methods):
+            continue
+        # this method's rollout NFE per iteration under the run's flags, counted, sets its iterations for the budget
+        iters = max(2, args.budget_nfe // _nfe_per_iteration([*base, *method_flags]))
+        offset = OTHER_SEEDS if name == "control: G2RPO on other seeds" else 0
+        for seed in range(offset, offset + args.seeds):
+            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+            out = os.path.join(args.output_dir, f"{slug}_s{seed}")
+            argv = [*base, *method_flags, "--seed", str(seed), "--num-iterations", str(iters),
+                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out]
+            runs.append((name, seed, argv, out))
+    return runs
 
 
 def report(curves, args):
@@ -412,10 +422,10 @@ def _train(argv):
         raise
 
 
-def _nfe_per_iteration(flags_):
-    """Rollout NFE of one iteration of train.py with these flags, counted (the mixed samplers: the mean over one
-    cycle of the sliding window, or over 64 random draws)."""
-    a = flags.parse_args(["--model", "tiny", "--prompts-per-iteration", "4", *flags_])
+def _nfe_per_iteration(argv):
+    """Rollout NFE of one iteration of train.py with these flags (a run's, --extra included), counted (the mixed
+    samplers: the mean over one cycle of the sliding window, or over 64 random draws)."""
+    a = flags.parse_args(argv)
     count = lambda it: zero_rollout(a, it).nfe
     if a.sampling != "mixed":
         return count(0)
@@ -457,8 +467,8 @@ def _plot(curves, path):
 
 def main(args: Args):
     if args.quick:
-        args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 500, 0, 1, 1
-        args.extra = ("--eval-prompts", "4", "--prompts-per-iteration", "2", "--group-size", "4", *args.extra)
+        args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 250, 0, 1, 1
+        args.prompts_per_iteration, args.extra = 2, ("--eval-prompts", "4", "--group-size", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"# bench.py on {os.uname().machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
