@@ -353,7 +353,7 @@ PRESETS = {
     # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
     # 96 held-out images, a success rate's standard error about 0.05, in training; the first and last evaluations
     # take 96 seeds, 1,152 images: at most 0.015 (8.7 s each on 2 cores). 120 iterations: 4 of 5 seeds end 0.2 above the
-    # base (80: 2 of 5; 160: 5 of 5, past 6 minutes), docs/tiny_world.md
+    # base on one machine of this project's kind, 5 of 5 on another (160: 5 of 5 on both), docs/tiny_world.md
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
                  sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
                  rewards=["shapes=1.0"], num_iterations=120, lr=1e-4, weight_decay=0.0, clip_range=1e-3,

@@ -466,8 +466,8 @@ def _plot(curves, path):
 
 
 def main(args: Args):
-    if args.quick:
-        args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 250, 0, 1, 1
+    if args.quick:  # 128 NFE: every row at its floor of 2 iterations
+        args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 128, 0, 1, 1
         args.prompts_per_iteration, args.extra = 2, ("--eval-prompts", "4", "--group-size", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
