@@ -42,7 +42,9 @@ class Args:
     seeds: int = 8
     """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them)."""
     budget_nfe: int = 40_000
-    """Part 3: image-forwards each method may spend on rollouts (equal for all)."""
+    """Part 3: image-forwards each method may spend on rollouts (equal for all). 40,000 fits 2 cores in 90 minutes,
+    where the success rate cannot yet tell learning from none; at 80,000 it tells both the lr-0 and the step-credit
+    control apart (docs/performance.md)."""
     jobs: int = os.cpu_count() or 1
     """Part 3: training runs side by side, each a subprocess with one torch thread (0: one at a time in this
     process, with its threads)."""
@@ -346,8 +348,9 @@ def report(curves, args):
               + (f"on its {' and '.join(shown)} this world rewards G2RPO's per-step credit" if shown else
                  "at this budget this world cannot test the per-step credit assignment"))
     widths = {n: table[n]["gap"][1] for n in ("full SDE, same M", "G2RPO {1}") if n in table}
-    print("- headline half-widths in success: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
-          + (" (all <= 0.05)" if all(w <= 0.05 for w in widths.values()) else " (above the 0.05 target)"))
+    if widths:  # (a run of chosen --methods may have none)
+        print("- headline half-widths in success: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
+              + (" (all <= 0.05)" if all(w <= 0.05 for w in widths.values()) else " (above the 0.05 target)"))
     return table
 
 
