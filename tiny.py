@@ -190,9 +190,9 @@ def quick_start_standing(success: float, changed: list) -> str:
     """One line: where a tiny run's final success rate stands against the quick start's measured ranges."""
     ranges = QUICK_START["machines"]
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
-    measured = (f"the quick start's {QUICK_START['seeds']} training seeds ended at "
-                f"{' and '.join(f'{a:.3f}-{b:.3f}' for a, b in ranges)} (from {QUICK_START['base']:.3f}) on two of this "
-                f"project's 2-core machines; another CPU takes its own path")
+    spans = " and ".join(f"{a:.3f}-{b:.3f}" for a, b in ranges)
+    measured = (f"the quick start's {QUICK_START['seeds']} training seeds ended at {spans} (from "
+                f"{QUICK_START['base']:.3f}) on two of this project's 2-core machines; another CPU takes its own path")
     if changed:
         named = " ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
         return f"this run changes {named}, so for reference only: {measured}"
