@@ -62,7 +62,6 @@ def test_prompt_sets_are_disjoint_and_shipped():
     assert count(tiny.POSITIONS, 2) == [3] * 4
 
 
-
 def test_the_summary_line_places_a_run_against_every_measured_range():
     # the quick start's ranges on two machines (0.516-0.640 and 0.573-0.708): within means inside their span
     line = tiny.quick_start_standing(0.6, [])
@@ -72,6 +71,7 @@ def test_the_summary_line_places_a_run_against_every_measured_range():
     assert tiny.quick_start_standing(0.40, []).endswith("below those ranges")
     assert tiny.quick_start_standing(0.75, []).endswith("above those ranges")
     assert "for reference only" in tiny.quick_start_standing(0.6, ["--lr"])
+
 
 SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteration", "8", "--checkpoint-every", "1000",
          "--final-eval-seeds", "8"]
