@@ -38,7 +38,8 @@ Run:
     python -m tools.gpu_check --parts tiny gradient fp8   # the FP8 part alone after the checks (not yet run on a GPU)
     python -m tools.gpu_check --config small   # CPU, about a minute: the same code on a tiny transformer
 Part 5 needs torchao on the GPU (requirements-fp8.txt); on the CPU it runs with `kernels.round_to_fp8_rows`, the
-weight-rounding stand-in, so the small config checks its plumbing, not its speed.
+weight-rounding stand-in, compiled with dynamo's "eager" backend, so the small config checks its plumbing, not its
+speed.
 """
 import contextlib
 import json
@@ -90,7 +91,8 @@ class Scale:
     max_batch: int
     batches: tuple  # the max-batch lever
     lora_rank: int
-    compile: str  # the compile lever's backend (and the FP8 part's)
+    compile: str  # the compile lever's backend
+    fp8_compile: str  # part 5's backend for both models (on a CPU, dynamo's graph capture without AOT tracing)
     fp8_granularities: tuple  # Lambda of part 5's full iteration
     tiny_args: list  # train.py's arguments for part 1 (a pipeline folder is appended for the small config)
     timeouts: dict = field(default_factory=dict)  # seconds per case kind
@@ -99,12 +101,13 @@ class Scale:
 SCALES = {
     "flux": Scale(transformer=FLUX_DEV, vae=FLUX_VAE, text_tokens=512, resolution=720, lever_resolutions=(512, 720),
                   num_steps=16, group_size=12, sde_steps=tuple(range(8)), granularities=(1, 2), max_batch=24,
-                  batches=(12, 24, 48), lora_rank=64, compile="inductor", fp8_granularities=(1, 2, 3),
+                  batches=(12, 24, 48), lora_rank=64, compile="inductor", fp8_compile="inductor",
+                  fp8_granularities=(1, 2, 3),
                   tiny_args=["--model", "tiny", "--num-iterations", "20"],
                   timeouts=dict(tiny=300, gradient=150, iteration=330, lever=150, fp8=330, fp8_iteration=330)),
     "small": Scale(transformer=SMALL, vae=SMALL_VAE, text_tokens=16, resolution=32, lever_resolutions=(32,),
                    num_steps=4, group_size=3, sde_steps=(0, 1), granularities=(1, 2), max_batch=8, batches=(4, 8),
-                   lora_rank=4, compile="aot_eager", fp8_granularities=(1, 2, 3),
+                   lora_rank=4, compile="aot_eager", fp8_compile="eager", fp8_granularities=(1, 2, 3),
                    tiny_args=["--model", "flux", "--num-iterations", "1", "--resolution", "32", "--num-steps", "4",
                     "--group-size", "3", "--sde-steps", "0", "1", "--granularities", "1", "2",
                     "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
@@ -372,7 +375,7 @@ def fp8_copy(adapter, scale: Scale):
     torchao's quantization on CUDA, the weight-rounding stand-in on a CPU."""
     from kernels import Float8Copy, round_to_fp8_rows
 
-    return Float8Copy(adapter.transformer, compile=scale.compile,
+    return Float8Copy(adapter.transformer, compile=scale.fp8_compile,
                       quantize=None if torch.cuda.is_available() else round_to_fp8_rows)
 
 
@@ -386,7 +389,7 @@ def case_fp8(scale: Scale, case: dict) -> dict:
     """Part 5: the FP8 copy against the compiled bf16 transformer (LoRA on), one model for every resolution."""
     from sampler import ode_sample, sigma_schedule
 
-    adapter, cond, params = build(scale, dict(compile=scale.compile))
+    adapter, cond, params = build(scale, dict(compile=scale.fp8_compile))
     start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     fp8, build_s = timed(lambda: fp8_copy(adapter, scale))
     copy_gib = (torch.cuda.memory_allocated() - start) / 2**30 if torch.cuda.is_available() else float("nan")
@@ -437,7 +440,7 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     from g2rpo import g2rpo_update
     from sampler import rollout_g2rpo, sigma_schedule
 
-    resolution, (adapter, cond, params) = case["resolution"], build(scale, dict(compile=scale.compile))
+    resolution, (adapter, cond, params) = case["resolution"], build(scale, dict(compile=scale.fp8_compile))
     fp8 = fp8_copy(adapter, scale)
     velocity_fn = velocity_at(adapter, cond, resolution)
     image_only_fn = velocity_at(adapter, cond, resolution, fp8.module)
