@@ -251,6 +251,9 @@ class TrainArgs:
     final_eval_seeds: int = 0
     """Noise seeds per held-out prompt in the first and last evaluations, which a run's result is read from (0 =
     --eval-seeds). The tiny preset's 96 give 1,152 images: a success rate's standard error of at most 0.015."""
+    first_eval_seeds: int = 0
+    """Noise seeds per held-out prompt in the evaluation before training, of the base model (0 = --final-eval-seeds).
+    Runs from one base that measure it elsewhere (tools/bench.py) pass 1; it does not change the training."""
     eval_prompts: int = 48
     """Held-out prompts in the in-training evaluation, spread evenly over --eval-prompt-file (0 = all). At the flux
     preset, 48 prompts x 2 seeds cost about 4 % of the run's rollout forwards; the full table is evaluate.py's job."""
@@ -520,6 +523,7 @@ RULES = {
     "ema_decay": ((lambda v: 0 <= v < 1), "in [0, 1) (0 = no EMA)"), "ema_every": at_least(1),
     "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
     "final_eval_seeds": at_least(0, " (0 = --eval-seeds)"),
+    "first_eval_seeds": at_least(0, " (0 = --final-eval-seeds)"),
     "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
     "keep_checkpoints": at_least(0, " (0 = keep all)"),
     "seed": at_least(0), "dist_timeout_minutes": above(0),

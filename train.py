@@ -273,7 +273,8 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    # the first and last evaluations, which a run's result is read from, may take more seeds than the rest
+    # the first and last evaluations, which a run's result is read from, may take more seeds than the rest (the
+    # first its own number: a bench of many runs from one base evaluates that base once)
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
                                                 distributed, seeds, run.check_stop)
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
@@ -285,7 +286,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                                                                          args.eval_seeds)]
     if start == 0:
         try:
-            before, images = held_out(args.final_eval_seeds)
+            before, images = held_out(args.first_eval_seeds or args.final_eval_seeds)
         except Preempted:
             run.log("stopped before the first iteration; nothing to save: rerun the same command plus --resume")
             return

@@ -2,6 +2,14 @@
 
 Run: python -m pytest -q tests/test_bench.py
 """
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from conftest import run_train
 from tools import bench
 
 
@@ -28,7 +36,31 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     assert "## 1." in printed and "## 2." in printed and "## 3." in printed and "headline half-widths" in printed
     # a second bench in the same folder keeps every finished run
     bench.main(bench.Args(quick=True, tiny_cache=tiny_cache, output_dir=str(tmp_path), parts=(3,)))
-    assert f"{2 * len(bench.METHODS)} already finished; running 0" in capsys.readouterr().out
+    assert f"{2 * (len(bench.METHODS) - 1)} already finished; running 0" in capsys.readouterr().out  # lr 0: no runs
+
+
+def test_the_base_model_is_measured_once(tiny_cache, tmp_path):
+    """The bench takes the no-learning row from the base model's evaluation, and gives every run but the first a
+    12-image evaluation before training: both rest on facts checked here on real runs. lr 0 leaves every weight
+    where it was, and the size of the first evaluation does not move the training (it draws its own noise)."""
+    common = ["--model", "tiny", "--tiny-cache", tiny_cache, "--num-iterations", "2", "--prompts-per-iteration", "2",
+              "--group-size", "4", "--eval-every", "100", "--eval-seeds", "1", "--final-eval-seeds", "2",
+              "--checkpoint-every", "100"]
+    final = lambda out: load_file(os.path.join(out, "checkpoints", "iter_000002", "transformer",
+                                               "diffusion_pytorch_model.safetensors"))
+    outs = {name: str(tmp_path / name) for name in ("frozen", "measured", "skipped")}
+    for name, extra in [("frozen", ["--lr", "0"]), ("measured", []), ("skipped", ["--first-eval-seeds", "1"])]:
+        run_train([*common, *extra, "--output-dir", outs[name]])
+    base = load_file(os.path.join(tiny.ensure_pretrained(tiny_cache, log=lambda m: None), "transformer",
+                                  "diffusion_pytorch_model.safetensors"))
+    frozen, measured, skipped = final(outs["frozen"]), final(outs["measured"]), final(outs["skipped"])
+    assert base.keys() == frozen.keys() and all(torch.equal(base[k], frozen[k]) for k in base)
+    assert any(not torch.equal(base[k], measured[k]) for k in base)  # lr 1e-4 moved them
+    assert all(torch.equal(measured[k], skipped[k]) for k in measured)
+    scores = lambda out: [(r["eval/reward/shapes"], r["eval/success/shapes"]) for r in map(
+        json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval/reward/shapes" in r]  # (first, last)
+    assert scores(outs["frozen"])[0] == scores(outs["frozen"])[1] == scores(outs["measured"])[0]  # 24 images each
+    assert scores(outs["skipped"])[0][0] != scores(outs["measured"])[0][0]  # 12 of them
 
 
 def test_intervals_on_hand_made_numbers():

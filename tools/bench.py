@@ -217,9 +217,12 @@ HEADLINE = {
 }
 G2RPO_ROW = "G2RPO {1,2,3}"
 OTHER_SEEDS = 1000  # the negative control's training seeds start here
+NO_LEARNING = "control: no learning (lr 0)"
 CONTROLS = {
     "control: G2RPO on other seeds": [],  # must not be told apart (compared unpaired)
-    "control: no learning (lr 0)": ["--lr", "0"],  # must be told apart
+    # must be told apart. lr 0 leaves every weight where it was (AdamW's step and its weight decay both scale with the
+    # lr; tests/test_bench.py checks it), so this row is the base model's evaluation, taken once, not eight runs
+    NO_LEARNING: ["--lr", "0"],
     "control: step credit destroyed": ["--step-credit", "mean"],  # the paper's central claim, on this world
 }
 METHODS = {**HEADLINE, **CONTROLS}
@@ -259,14 +262,20 @@ def part3(args):
     print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} training seeds a "
           f"method, {args.budget_nfe:,} rollout NFE each)\n")
     runs, started = bench_runs(args), time.time()
+    # the base model, which every run starts from, is evaluated once (by the first run: the same images for every
+    # run); the other runs evaluate 12 images before training, where the bench reads nothing
     todo = [run for run in runs if not _finished(*run[2:])]
     print(f"{len(runs)} runs, {len(runs) - len(todo)} already finished in {args.output_dir}; running {len(todo)} "
           f"({args.jobs or 1} at a time, one torch thread each)" if args.jobs else
           f"{len(runs)} runs, {len(runs) - len(todo)} already finished; running {len(todo)} in this process")
     _run_all(todo, args.jobs)
+    base = _read_curve(runs[0][3])[0]  # (0 NFE, 0 s, success, reward, its standard error)
     curves = {}
     for name, seed, argv, out in runs:
-        curves.setdefault(name, []).append(_read_curve(out))
+        curves.setdefault(name, []).append([base, *_read_curve(out)[1:]])
+    if not args.methods or NO_LEARNING in args.methods:  # in its place in the table
+        curves = {name: curves.get(name, [[base]] * args.seeds) for name in METHODS if name in curves or
+                  name == NO_LEARNING}
     table = report(curves, args)
     print(f"\npart 3 took {(time.time() - started) / 60:.0f} minutes")
     _plot(curves, os.path.join(args.output_dir, "learning_per_compute.png"))
@@ -276,7 +285,8 @@ def part3(args):
 
 
 def bench_runs(args):
-    """Part 3's training runs: (row name, seed, train.py flags, output folder) for each chosen row and seed."""
+    """Part 3's training runs: (row name, seed, train.py flags, output folder) for each chosen row and seed; the
+    first is G2RPO's first seed, whose first evaluation is the base model's (no-learning's row needs no run)."""
     base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration",
             str(args.prompts_per_iteration), "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
             "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
@@ -285,7 +295,7 @@ def bench_runs(args):
         raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
     runs = []
     for name, method_flags in METHODS.items():
-        if args.methods and name not in (G2RPO_ROW, *args.methods):
+        if name == NO_LEARNING or args.methods and name not in (G2RPO_ROW, *args.methods):
             continue
         # this method's rollout NFE per iteration under the run's flags, counted, sets its iterations for the budget
         iters = max(2, args.budget_nfe // _nfe_per_iteration([*base, *method_flags]))
@@ -293,8 +303,9 @@ def bench_runs(args):
         for seed in range(offset, offset + args.seeds):
             slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
             out = os.path.join(args.output_dir, f"{slug}_s{seed}")
+            first = [] if not runs else ["--first-eval-seeds", "1"]  # the base is measured by the first run alone
             argv = [*base, *method_flags, "--seed", str(seed), "--num-iterations", str(iters),
-                    "--eval-every", str(max(1, iters // 4)), "--output-dir", out]
+                    "--eval-every", str(max(1, iters // 4)), *first, "--output-dir", out]
             runs.append((name, seed, argv, out))
     return runs
 
@@ -448,6 +459,10 @@ def _plot(curves, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for (name, runs), colour in zip(curves.items(), [f"C{i % 10}" for i in range(len(curves))]):
         style = "--" if name.startswith("control") else "-"
+        if all(len(run) == 1 for run in runs):  # no learning: the base model, whatever the compute
+            for ax in axes:
+                ax.axhline(runs[0][0][2], linestyle=style, color=colour, linewidth=2, label=name)
+            continue
         for run in runs:  # every seed, faint
             nfe, wall, success = list(zip(*run))[:3]
             axes[0].plot(nfe, success, color=colour, alpha=0.15)
