@@ -49,7 +49,8 @@ def test_the_base_model_is_measured_once(tiny_cache, tmp_path):
     final = lambda out: load_file(os.path.join(out, "checkpoints", "iter_000002", "transformer",
                                                "diffusion_pytorch_model.safetensors"))
     outs = {name: str(tmp_path / name) for name in ("frozen", "measured", "skipped")}
-    for name, extra in [("frozen", ["--lr", "0"]), ("measured", []), ("skipped", ["--first-eval-seeds", "1"])]:
+    for name, extra in [("frozen", ["--lr", "0", "--weight-decay", "0.1"]), ("measured", []),
+                        ("skipped", ["--first-eval-seeds", "1"])]:
         run_train([*common, *extra, "--output-dir", outs[name]])
     base = load_file(os.path.join(tiny.ensure_pretrained(tiny_cache, log=lambda m: None), "transformer",
                                   "diffusion_pytorch_model.safetensors"))

@@ -11,9 +11,10 @@
      error <= 0.015) gets a 95 % interval over seeds, and its gap to G2RPO a paired 95 % interval, "told apart"
      only where that excludes 0. The headline rows are the paper's two claims (singular stochastic sampling against
      full SDE; multi-granularity against one granularity), then the peers' recipes; three controls show what the
-     bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0) and G2RPO with its step
-     credit destroyed (every step the mean advantage of its member). Runs go side by side, one torch thread each;
-     a killed bench resumes, keeping its finished runs. A table and a PNG plot.
+     bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0, which leaves the base
+     model as it is: its evaluation, taken once by the first run) and G2RPO with its step credit destroyed (every
+     step the mean advantage of its member). Runs go side by side, one torch thread each; a killed bench resumes,
+     keeping its finished runs. A table and a PNG plot.
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from tools/gpu_check.py.
 
 Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machine the runs share the GPU)
@@ -217,11 +218,13 @@ HEADLINE = {
 }
 G2RPO_ROW = "G2RPO {1,2,3}"
 OTHER_SEEDS = 1000  # the negative control's training seeds start here
+FIRST_EVAL = ["--first-eval-seeds", "1"]  # every run but the first: the base model is evaluated once
 NO_LEARNING = "control: no learning (lr 0)"
 CONTROLS = {
     "control: G2RPO on other seeds": [],  # must not be told apart (compared unpaired)
     # must be told apart. lr 0 leaves every weight where it was (AdamW's step and its weight decay both scale with the
-    # lr; tests/test_bench.py checks it), so this row is the base model's evaluation, taken once, not eight runs
+    # lr; tests/test_bench.py checks it), so this row is the base model's evaluation, taken once: the run it stands
+    # for is never started
     NO_LEARNING: ["--lr", "0"],
     "control: step credit destroyed": ["--step-credit", "mean"],  # the paper's central claim, on this world
 }
@@ -262,8 +265,6 @@ def part3(args):
     print(f"\n## 3. Held-out success rate at equal rollout compute (tiny model, {args.seeds} training seeds a "
           f"method, {args.budget_nfe:,} rollout NFE each)\n")
     runs, started = bench_runs(args), time.time()
-    # the base model, which every run starts from, is evaluated once (by the first run: the same images for every
-    # run); the other runs evaluate 12 images before training, where the bench reads nothing
     todo = [run for run in runs if not _finished(*run[2:])]
     print(f"{len(runs)} runs, {len(runs) - len(todo)} already finished in {args.output_dir}; running {len(todo)} "
           f"({args.jobs or 1} at a time, one torch thread each)" if args.jobs else
@@ -303,7 +304,9 @@ def bench_runs(args):
         for seed in range(offset, offset + args.seeds):
             slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
             out = os.path.join(args.output_dir, f"{slug}_s{seed}")
-            first = [] if not runs else ["--first-eval-seeds", "1"]  # the base is measured by the first run alone
+            # the base model, where every run starts, is evaluated once, by the first run (the same images for every
+            # run); the others evaluate one noise seed a held-out prompt there, where the bench reads nothing
+            first = [] if not runs else FIRST_EVAL
             argv = [*base, *method_flags, "--seed", str(seed), "--num-iterations", str(iters),
                     "--eval-every", str(max(1, iters // 4)), *first, "--output-dir", out]
             runs.append((name, seed, argv, out))
@@ -343,7 +346,7 @@ def report(curves, args):
           f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds "
           f"control): the smallest gap this run could tell apart. The verdicts (success rate; reward):")
     said = lambda row, key: "told apart" if row[key] else "not told apart"
-    for name, verdict in [("control: G2RPO on other seeds", False), ("control: no learning (lr 0)", True)]:
+    for name, verdict in [("control: G2RPO on other seeds", False), (NO_LEARNING, True)]:
         if name in table:
             row = table[name]
             fails = [metric for metric, key in (("success", "told_apart"), ("reward", "reward_told_apart"))
@@ -366,12 +369,21 @@ def report(curves, args):
 
 
 def _finished(argv, out):
-    """Whether `out` holds this run, complete: its marker names the same command (a killed bench resumes there)."""
+    """Whether `out` holds this run, complete: its marker names the same command (a killed bench resumes there), up
+    to the size of the first evaluation, which does not change the training (runs of an older bench count)."""
     try:
         with open(os.path.join(out, "bench_run.json")) as f:
-            return json.load(f)["argv"] == argv
+            return _training_flags(json.load(f)["argv"]) == _training_flags(argv)
     except (OSError, ValueError, KeyError):
         return False
+
+
+def _training_flags(argv):
+    """A run's flags without FIRST_EVAL."""
+    for i in range(len(argv) - 1):
+        if argv[i : i + 2] == FIRST_EVAL:
+            return argv[:i] + argv[i + 2 :]
+    return argv
 
 
 def _run_all(todo, jobs):
@@ -459,7 +471,7 @@ def _plot(curves, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for (name, runs), colour in zip(curves.items(), [f"C{i % 10}" for i in range(len(curves))]):
         style = "--" if name.startswith("control") else "-"
-        if all(len(run) == 1 for run in runs):  # no learning: the base model, whatever the compute
+        if name == NO_LEARNING:  # the base model, whatever the compute
             for ax in axes:
                 ax.axhline(runs[0][0][2], linestyle=style, color=colour, linewidth=2, label=name)
             continue
