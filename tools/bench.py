@@ -44,8 +44,8 @@ class Args:
     """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them)."""
     budget_nfe: int = 40_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all). 40,000 fits 2 cores in 90 minutes,
-    where the success rate cannot yet tell learning from none; at 80,000 it tells both the lr-0 and the step-credit
-    control apart (docs/performance.md)."""
+    where the success rate cannot yet tell learning from none (nor at 60,000, on another machine; the reward can);
+    at 80,000 it tells both the lr-0 and the step-credit control apart (docs/performance.md)."""
     jobs: int = os.cpu_count() or 1
     """Part 3: training runs side by side, each a subprocess with one torch thread (0: one at a time in this
     process, with its threads)."""
