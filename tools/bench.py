@@ -271,18 +271,22 @@ def part3(args):
           f"{len(runs)} runs, {len(runs) - len(todo)} already finished; running {len(todo)} in this process")
     _run_all(todo, args.jobs)
     base = _read_curve(runs[0][3])[0]  # (0 NFE, 0 s, success, reward, its standard error)
-    curves = {}
+    curves = {name: [] for name in chosen_rows(args)}
     for name, seed, argv, out in runs:
-        curves.setdefault(name, []).append([base, *_read_curve(out)[1:]])
-    if not args.methods or NO_LEARNING in args.methods:  # in its place in the table
-        curves = {name: curves.get(name, [[base]] * args.seeds) for name in METHODS if name in curves or
-                  name == NO_LEARNING}
+        curves[name].append([base, *_read_curve(out)[1:]])
+    if NO_LEARNING in curves:
+        curves[NO_LEARNING] = [[base]] * args.seeds
     table = report(curves, args)
     print(f"\npart 3 took {(time.time() - started) / 60:.0f} minutes")
     _plot(curves, os.path.join(args.output_dir, "learning_per_compute.png"))
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
         json.dump({"curves": curves, "table": table, "budget_nfe": args.budget_nfe, "seeds": args.seeds}, f)
     return table
+
+
+def chosen_rows(args):
+    """The table's rows in their order: every one, or G2RPO's (every gap's baseline) and those of --methods."""
+    return [name for name in METHODS if not args.methods or name in (G2RPO_ROW, *args.methods)]
 
 
 def bench_runs(args):
@@ -295,9 +299,10 @@ def bench_runs(args):
     if unknown:
         raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
     runs = []
-    for name, method_flags in METHODS.items():
-        if name == NO_LEARNING or args.methods and name not in (G2RPO_ROW, *args.methods):
+    for name in chosen_rows(args):
+        if name == NO_LEARNING:
             continue
+        method_flags = METHODS[name]
         # this method's rollout NFE per iteration under the run's flags, counted, sets its iterations for the budget
         iters = max(2, args.budget_nfe // _nfe_per_iteration([*base, *method_flags]))
         offset = OTHER_SEEDS if name == "control: G2RPO on other seeds" else 0
