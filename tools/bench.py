@@ -9,15 +9,16 @@
   3. Learning per unit of compute on the tiny model, with statistics a reviewer accepts: every method trains the
      same rollout NFE on the same training seeds; its held-out success rate at the budget (1,152 images, standard
      error <= 0.015) gets a 95 % interval over seeds, and its gap to G2RPO a paired 95 % interval, "told apart"
-     only where that excludes 0. The headline rows are the paper's two claims (singular stochastic sampling against
-     full SDE; multi-granularity against one granularity), then the peers' recipes; three controls show what the
-     bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0, which leaves the base
-     model as it is: its evaluation, taken once by the first run) and G2RPO with its step credit destroyed (every
-     step the mean advantage of its member). Runs go side by side, one torch thread each; a killed bench resumes,
-     keeping its finished runs. A table and a PNG plot.
+     only where that excludes 0. The headline rows are the paper's two claims (singular stochastic sampling
+     against full SDE; multi-granularity against one granularity), then, under --peers, the peers' recipes; three
+     controls show what the bench can tell: G2RPO on other seeds (must not be told apart), no learning (lr 0,
+     which leaves the base model as it is: its evaluation, taken once by the first run) and G2RPO with its step
+     credit destroyed (every step the mean advantage of its member). Runs go side by side, one torch thread each;
+     a killed bench resumes, keeping its finished runs. A table and a PNG plot.
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from tools/gpu_check.py.
 
 Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machine the runs share the GPU)
+      python -m tools.bench --parts 3 --peers  (and the peers' recipes: about twice as long)
       python -m tools.bench --quick            (every part, shortened, under 2 minutes)
 """
 import dataclasses
@@ -57,9 +58,13 @@ class Args:
     prompts_per_iteration: int = 4
     """Part 3: prompts of every run's iteration. At equal rollout NFE, fewer learn less on the tiny world (40,000
     NFE, G2RPO: 1 or 2 prompts an iteration lost reward on some seeds, 4 to 16 gained alike; docs/performance.md)."""
+    peers: bool = False
+    """Part 3: also the peers' recipes (DanceGRPO, Flow-GRPO, Flow-GRPO-Fast, MixGRPO) at the same rollout NFE. At
+    equal rollout NFE they run more iterations, each forwarding every member in its update, so a run takes about
+    twice a G2RPO run's time: with them part 3 is past 90 minutes on 2 cores (docs/performance.md)."""
     methods: tuple[str, ...] = ()
-    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always
-    run); () = all."""
+    """Part 3: only these rows (names as in the table, peers' too; G2RPO {1,2,3}, the row every gap is taken to, is
+    always run); () = the default rows (--peers)."""
     extra: tuple[str, ...] = ()
     """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
     output_dir: str = "runs/bench"
@@ -207,11 +212,14 @@ def _per_member(rollout):
 # part 3: learning per unit of compute, with intervals and controls
 # ---------------------------------------------------------------------------------------------------------------
 # Every method trains the tiny preset (G 8, N 8, M 0..3, lr 1e-4; --prompts-per-iteration, 4) for the same rollout NFE.
-# The headline rows are the paper's two claims, then the peers' recipes; the controls show what the bench can tell.
+# The headline rows are the paper's two claims, then (--peers) the peers' recipes; the controls show what the bench
+# can tell.
 HEADLINE = {
     "G2RPO {1,2,3}": [],
     "full SDE, same M": ["--sampling", "full"],  # singular stochastic sampling against whole SDE trajectories
     "G2RPO {1}": ["--granularities", "1"],  # multi-granularity against one granularity
+}
+PEERS = {  # under --peers: each run forwards every member in its update, about twice a G2RPO run's time
     "DanceGRPO": ["--method", "dancegrpo"],
     "Flow-GRPO": ["--method", "flow-grpo"],
     "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
@@ -229,7 +237,7 @@ CONTROLS = {
     NO_LEARNING: ["--lr", "0"],
     "control: step credit destroyed": ["--step-credit", "mean"],  # the paper's central claim, on this world
 }
-METHODS = {**HEADLINE, **CONTROLS}
+METHODS = {**HEADLINE, **PEERS, **CONTROLS}
 # two-sided 95 % quantiles of Student's t by degrees of freedom (the normal's 1.96 past 30)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
@@ -286,8 +294,11 @@ def part3(args):
 
 
 def chosen_rows(args):
-    """The table's rows in their order: every one, or G2RPO's (every gap's baseline) and those of --methods."""
-    return [name for name in METHODS if not args.methods or name in (G2RPO_ROW, *args.methods)]
+    """The table's rows in their order: G2RPO's (every gap's baseline) and those of --methods, or by default the
+    paper's two claims and the controls, and the peers' recipes under --peers."""
+    if args.methods:
+        return [name for name in METHODS if name in (G2RPO_ROW, *args.methods)]
+    return [name for name in METHODS if args.peers or name not in PEERS]
 
 
 def bench_runs(args):
@@ -504,6 +515,7 @@ def _plot(curves, path):
 def main(args: Args):
     if args.quick:  # 128 NFE: every row at its floor of 2 iterations
         args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 128, 0, 1, 1
+        args.peers = True
         args.prompts_per_iteration, args.extra = 2, ("--eval-prompts", "4", "--group-size", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
