@@ -87,3 +87,7 @@ def test_the_budget_counts_the_runs_own_flags():
                       methods=("full SDE, same M",))
     iterations = {name: int(argv[argv.index("--num-iterations") + 1]) for name, _, argv, _ in bench.bench_runs(args)}
     assert iterations == {"G2RPO {1,2,3}": 3000 // 232, "full SDE, same M": 3000 // 64}
+    # by default the paper's two claims and the controls; the peers' recipes under --peers, or named in --methods
+    assert bench.chosen_rows(bench.Args()) == [*bench.HEADLINE, *bench.CONTROLS]
+    assert bench.chosen_rows(bench.Args(peers=True)) == list(bench.METHODS)
+    assert bench.chosen_rows(bench.Args(methods=("DanceGRPO",))) == [bench.G2RPO_ROW, "DanceGRPO"]
