@@ -1,6 +1,6 @@
 """The built-in tiny model: its pre-training cache, its prompt split, the quick start's summary line, and G2RPO (and
 the full-SDE control) raising the held-out reward and success rate in a short run (tools/bench.py compares them over
-eight training seeds).
+its training seeds).
 
 Run: python -m pytest -q tests/test_tiny.py
 """

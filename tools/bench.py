@@ -42,8 +42,8 @@ class Args:
     parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
     seeds: int = 5
-    """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them). 5 at 80,000 NFE
-    fit 2 cores in 90 minutes; more tighten every interval (a GPU machine: --seeds 8 --jobs 16)."""
+    """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them). 5 at 80,000 NFE:
+    about an hour of 2 cores; 8 tell more apart (about 94 minutes on a 2-core machine; docs/performance.md)."""
     budget_nfe: int = 80_000
     """Part 3: image-forwards each method may spend on rollouts (equal for all). Below 80,000 the success rate
     cannot tell learning from none on the tiny world (40,000 and 60,000 NFE, 8 seeds each; the reward can);
