@@ -1,4 +1,5 @@
-"""tools/bench.py --quick runs every part and its numbers are consistent; part 3's statistics on hand-made numbers.
+"""tools/bench.py --quick runs every part and its numbers are consistent; part 3's statistics on hand-made numbers,
+its rows and their iterations.
 
 Run: python -m pytest -q tests/test_bench.py
 """
@@ -87,7 +88,12 @@ def test_the_budget_counts_the_runs_own_flags():
                       methods=("full SDE, same M",))
     iterations = {name: int(argv[argv.index("--num-iterations") + 1]) for name, _, argv, _ in bench.bench_runs(args)}
     assert iterations == {"G2RPO {1,2,3}": 3000 // 232, "full SDE, same M": 3000 // 64}
-    # by default the paper's two claims and the controls; the peers' recipes under --peers, or named in --methods
+
+
+def test_the_default_rows_and_the_peers():
+    # the paper's two claims and the controls; the peers' recipes under --peers, or named in --methods
     assert bench.chosen_rows(bench.Args()) == [*bench.HEADLINE, *bench.CONTROLS]
     assert bench.chosen_rows(bench.Args(peers=True)) == list(bench.METHODS)
     assert bench.chosen_rows(bench.Args(methods=("DanceGRPO",))) == [bench.G2RPO_ROW, "DanceGRPO"]
+    assert bench.chosen_rows(bench.Args(methods=(bench.NO_LEARNING,), peers=True)) == [
+        bench.G2RPO_ROW, *bench.PEERS, bench.NO_LEARNING]

@@ -18,7 +18,7 @@
 The GPU figures (FLUX.1-dev-sized transformer, seconds per phase, TFLOP/s) come from tools/gpu_check.py.
 
 Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machine the runs share the GPU)
-      python -m tools.bench --parts 3 --peers  (and the peers' recipes: about twice as long)
+      python -m tools.bench --parts 3 --peers  (and the peers' recipes: more than twice as long)
       python -m tools.bench --quick            (every part, shortened, under 2 minutes)
 """
 import dataclasses
@@ -42,12 +42,11 @@ class Args:
     parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
     seeds: int = 5
-    """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them). 5 at 80,000 NFE:
-    about an hour of 2 cores; 8 tell more apart (about 94 minutes on a 2-core machine; docs/performance.md)."""
+    """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them); more narrow
+    every interval, at a run each per method (docs/performance.md: 5 and 8 at 80,000 NFE)."""
     budget_nfe: int = 80_000
-    """Part 3: image-forwards each method may spend on rollouts (equal for all). Below 80,000 the success rate
-    cannot tell learning from none on the tiny world (40,000 and 60,000 NFE, 8 seeds each; the reward can);
-    at 80,000 it tells both the lr-0 and the step-credit control apart (docs/performance.md)."""
+    """Part 3: image-forwards each method may spend on rollouts (equal for all). 80,000: the smallest budget measured
+    at which the tiny world's success rate tells learning from none (docs/performance.md)."""
     jobs: int = os.cpu_count() or 1
     """Part 3: training runs side by side, each a subprocess with one torch thread (0: one at a time in this
     process, with its threads)."""
@@ -60,11 +59,11 @@ class Args:
     NFE, G2RPO: 1 or 2 prompts an iteration lost reward on some seeds, 4 to 16 gained alike; docs/performance.md)."""
     peers: bool = False
     """Part 3: also the peers' recipes (DanceGRPO, Flow-GRPO, Flow-GRPO-Fast, MixGRPO) at the same rollout NFE. At
-    equal rollout NFE they run more iterations, each forwarding every member in its update, so a run takes about
-    twice a G2RPO run's time: with them part 3 is past 90 minutes on 2 cores (docs/performance.md)."""
+    equal rollout NFE they run more iterations, each forwarding every member in its update: a run takes two to three
+    times a G2RPO run's (docs/performance.md)."""
     methods: tuple[str, ...] = ()
-    """Part 3: only these rows (names as in the table, peers' too; G2RPO {1,2,3}, the row every gap is taken to, is
-    always run); () = the default rows (--peers)."""
+    """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run;
+    --peers adds the peers' rows to them); () = the paper's two claims and the controls."""
     extra: tuple[str, ...] = ()
     """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
     output_dir: str = "runs/bench"
@@ -219,7 +218,7 @@ HEADLINE = {
     "full SDE, same M": ["--sampling", "full"],  # singular stochastic sampling against whole SDE trajectories
     "G2RPO {1}": ["--granularities", "1"],  # multi-granularity against one granularity
 }
-PEERS = {  # under --peers: each run forwards every member in its update, about twice a G2RPO run's time
+PEERS = {  # under --peers: each run forwards every member in its update, two to three times a G2RPO run's time
     "DanceGRPO": ["--method", "dancegrpo"],
     "Flow-GRPO": ["--method", "flow-grpo"],
     "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
@@ -295,10 +294,9 @@ def part3(args):
 
 def chosen_rows(args):
     """The table's rows in their order: G2RPO's (every gap's baseline) and those of --methods, or by default the
-    paper's two claims and the controls, and the peers' recipes under --peers."""
-    if args.methods:
-        return [name for name in METHODS if name in (G2RPO_ROW, *args.methods)]
-    return [name for name in METHODS if args.peers or name not in PEERS]
+    paper's two claims and the controls; the peers' recipes too under --peers."""
+    chosen = args.methods or [*HEADLINE, *CONTROLS]
+    return [name for name in METHODS if name in (G2RPO_ROW, *chosen) or (args.peers and name in PEERS)]
 
 
 def bench_runs(args):
