@@ -29,7 +29,7 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     assert speed["batched"]["nfe"] < speed["reference"]["nfe"]
     assert speed["batched"]["sampling"] < speed["reference"]["sampling"]
     table = out["learning"]
-    assert set(table) == set(bench.METHODS)
+    assert list(table) == [*bench.HEADLINE, *bench.CONTROLS]  # the peers' rows: under --peers
     assert all(0 <= row["success"][0] <= 1 for row in table.values())
     assert all("gap" in row for name, row in table.items() if name != bench.G2RPO_ROW)
     assert (tmp_path / "quick" / "learning_per_compute.png").exists()
@@ -37,7 +37,7 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     assert "## 1." in printed and "## 2." in printed and "## 3." in printed and "headline half-widths" in printed
     # a second bench in the same folder keeps every finished run
     bench.main(bench.Args(quick=True, tiny_cache=tiny_cache, output_dir=str(tmp_path), parts=(3,)))
-    assert f"{2 * (len(bench.METHODS) - 1)} already finished; running 0" in capsys.readouterr().out  # lr 0: no runs
+    assert f"{2 * (len(table) - 1)} already finished; running 0" in capsys.readouterr().out  # lr 0: no runs
 
 
 def test_the_base_model_is_measured_once(tiny_cache, tmp_path):
@@ -84,6 +84,10 @@ def test_the_budget_counts_the_runs_own_flags():
     tiny = ["--model", "tiny", "--prompts-per-iteration", "2"]
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4"]) == 2 * (8 + 4 * 27)
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--sampling", "full"]) == 2 * 4 * 8
+    # MixGRPO's window of 2 SDE steps starts at step f = 0..5, f + G (N - f) forwards a prompt, then one iteration
+    # without a window (N): the mean over that cycle
+    cycle = [2 * (f + 4 * (8 - f)) for f in range(6)] + [2 * 8]
+    assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--method", "mixgrpo"]) == sum(cycle) // len(cycle)
     args = bench.Args(budget_nfe=3000, seeds=1, prompts_per_iteration=2, extra=("--group-size", "4"),
                       methods=("full SDE, same M",))
     iterations = {name: int(argv[argv.index("--num-iterations") + 1]) for name, _, argv, _ in bench.bench_runs(args)}

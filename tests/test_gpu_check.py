@@ -220,7 +220,7 @@ def test_gpu_check_small_config_end_to_end(tmp_path):
     assert all(r["status"] == "ok" for r in results.values()), [r["status"] for r in results.values()]
     assert set(results) == {("gradient", None), ("tiny", "tiny"), ("iteration", None), ("fp8", None),
                             ("fp8_iteration", None), ("lever", "rollout attention cudnn"),
-                            ("lever", "compile (aot_eager)")}
+                            ("lever", "compile (eager)")}
     assert results["gradient", None]["ok"] and results["gradient", None]["skipped_steps"] == 0
     assert results["tiny", "tiny"]["skipped_steps"] == 0 and results["tiny", "tiny"]["iterations"] == 1
     # part 5 through the CPU stand-in: the trainer's FP8 variant beside the policy, close to its images
@@ -233,9 +233,9 @@ def test_gpu_check_small_config_end_to_end(tmp_path):
     assert iteration["nfe"] > 0 and iteration["skipped_steps"] == 0 and iteration["ratio_deviation"] < 1e-5
     assert all(iteration["seconds"][phase] > 0 for phase in ("rollout", "decode_and_reward", "update"))
     assert [f["max_batch"] for f in iteration["probe"]["forwards"]] == [4, 8]
-    compiled = results["lever", "compile (aot_eager)"]["probes"][0]
+    compiled = results["lever", "compile (eager)"]["probes"][0]
     assert compiled["forwards"][0]["rollout_tflops"] > 0 and compiled["update_s_per_step"] > 0
-    assert "note: attention backend cudnn needs CUDA" in proc.stdout and "| compile (aot_eager) | 32 |" in proc.stdout
+    assert "note: attention backend cudnn needs CUDA" in proc.stdout and "| compile (eager) | 32 |" in proc.stdout
 
 
 def test_gpu_check_runs_a_case_in_a_subprocess():
