@@ -182,7 +182,7 @@ def weights(out, iteration):
 
 
 def test_sigkill_then_resume_equals_uninterrupted(flux_path, tmp_path):
-    common = ["--model", "flux", "--model-path", flux_path, "--lr", "1e-2", "--num-iterations", "20",
+    common = ["--model", "flux", "--model-path", flux_path, "--lr", "1e-2", "--num-iterations", "12",
               "--checkpoint-every", "1", "--eval-every", "100", *QUICK]
     clean, killed = str(tmp_path / "clean"), str(tmp_path / "killed")
     run_train([*common, "--output-dir", clean])
@@ -193,10 +193,10 @@ def test_sigkill_then_resume_equals_uninterrupted(flux_path, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     interrupted_at = read_iteration(killed)
-    assert interrupted_at < 20
+    assert interrupted_at < 12
     proc = run_train([*common, "--output-dir", killed, "--resume"])
     assert "resumed from" in proc.stdout
-    a, b = weights(clean, 20), weights(killed, 20)
+    a, b = weights(clean, 12), weights(killed, 12)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = lambda out: [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["train/reward/shapes"] for r in rows(clean)[1:]] == [r["train/reward/shapes"] for r in rows(killed)[1:]]

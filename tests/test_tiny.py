@@ -74,24 +74,26 @@ def test_the_summary_line_places_a_run_against_every_measured_range():
     assert "for reference only" in tiny.quick_start_standing(0.6, ["--lr"])
 
 
-SHORT = ["--num-iterations", "12", "--eval-every", "12", "--prompts-per-iteration", "8", "--checkpoint-every", "1000",
-         "--final-eval-seeds", "24"]
+SHORT = ["--prompts-per-iteration", "8", "--checkpoint-every", "1000", "--final-eval-seeds", "24"]
+ITERATIONS = {"g2rpo": 10, "full": 8}
 
 
 @pytest.mark.parametrize("sampling", ["g2rpo", "full"])
 def test_a_short_run_improves_held_out_reward_and_success(sampling, tiny_cache, tmp_path):
     out = str(tmp_path / sampling)
+    iterations = str(ITERATIONS[sampling])
     run_train(["--model", "tiny", "--tiny-cache", tiny_cache, "--sampling", sampling, "--seed", "0", "--output-dir",
-               out, *SHORT])
+               out, "--num-iterations", iterations, "--eval-every", iterations, *SHORT])
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     evals = [(r["eval/reward/shapes"], r["eval/success/shapes"]) for r in rows if "eval/reward/shapes" in r]
     assert len(evals) == 2, evals
     (reward_before, success_before), (reward_after, success_after) = evals
     assert 0 <= success_before <= 1 and 0 <= success_after <= 1
     # both evaluations score 288 held-out images (12 prompts x 24 seeds: the success rate's standard error 0.03).
-    # Measured on 2 cores from 0.5415 reward and 0.316 success: G2RPO seeds 0, 1, 2 gained +0.057, +0.047, +0.043 in
-    # reward and +0.073, +0.049, +0.024 in success; full SDE (seed 0) +0.036 and +0.080. The reward, which training
-    # maximises, carries the margin; the strict pass rate must rise (seed 0), its size is the bench's to measure
-    reward_floor, success_floor = {"g2rpo": (0.03, 0.02), "full": (0.015, 0.0)}[sampling]
+    # Measured on 2 cores from 0.5415 reward and 0.316 success: G2RPO seeds 0, 1, 2 after 10 iterations gained
+    # +0.051, +0.039, +0.045 in reward and +0.076, +0.038, +0.028 in success; full SDE seeds 0, 1 after 8 +0.024,
+    # +0.016 and +0.073, +0.031. The reward, which training maximises, carries the margin; the strict pass rate must
+    # rise (seed 0), its size is the bench's to measure
+    reward_floor, success_floor = {"g2rpo": (0.03, 0.02), "full": (0.01, 0.0)}[sampling]
     assert reward_after - reward_before > reward_floor, evals
     assert success_after - success_before > success_floor, evals
