@@ -85,8 +85,8 @@ def compile_blocks(transformer, backend: str = "inductor", mode: str | None = No
     """Regional compilation: torch.compile each repeated block (FLUX's double- and single-stream blocks, SD3's
     joint blocks), not the whole model. The blocks of a kind share one compiled graph, so compiling takes seconds to
     a minute instead of many, for nearly the speed of compiling the whole model. Graphs are built at the first call
-    of each grad mode and shape. `backend` "aot_eager" traces the same graphs without generating kernels: a quick
-    check of the plumbing on a CPU, where inductor spends minutes on even the tiny model.
+    of each grad mode and shape. `backend` "aot_eager" traces the same graphs without generating kernels, and
+    "eager" only captures them: quick checks on a CPU, where inductor spends minutes on even the tiny model.
 
     Each block's graph is rebuilt for every grad mode, batch size, input layout and resolution it meets (rollout,
     update, evaluation): 8 versions in 2 iterations of the tiny model, which is torch's default limit per block, past

@@ -84,10 +84,12 @@ def test_the_budget_counts_the_runs_own_flags():
     tiny = ["--model", "tiny", "--prompts-per-iteration", "2"]
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4"]) == 2 * (8 + 4 * 27)
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--sampling", "full"]) == 2 * 4 * 8
-    # MixGRPO's window of 2 SDE steps starts at step f = 0..5, f + G (N - f) forwards a prompt, then one iteration
-    # without a window (N): the mean over that cycle
+    # MixGRPO's window (up to 2 SDE steps, never the last step) starts at step f = 0..5, f + G (N - f) forwards a
+    # prompt, then one iteration without a window (N): the mean over that cycle. Flow-GRPO-Fast's random window costs
+    # G N a prompt at every draw (as part 1 counts at its published sizes, 24 x 6)
     cycle = [2 * (f + 4 * (8 - f)) for f in range(6)] + [2 * 8]
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--method", "mixgrpo"]) == sum(cycle) // len(cycle)
+    assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--method", "flow-grpo-fast"]) == 2 * 4 * 8
     args = bench.Args(budget_nfe=3000, seeds=1, prompts_per_iteration=2, extra=("--group-size", "4"),
                       methods=("full SDE, same M",))
     iterations = {name: int(argv[argv.index("--num-iterations") + 1]) for name, _, argv, _ in bench.bench_runs(args)}

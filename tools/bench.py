@@ -41,6 +41,8 @@ class Args:
     """A shortened run of every part (what the tests run): part 2 at G 4, part 3 at 128 NFE and 2 seeds a row."""
     parts: tuple[int, ...] = (1, 2, 3)
     """Which parts to run."""
+    speed_group_size: int = 12
+    """Part 2: the group size G of the timed iteration (12: the reference's)."""
     seeds: int = 5
     """Training seeds per method in part 3 (the same seeds for every method, so gaps pair on them); more narrow
     every interval, at a run each per method (docs/performance.md: 5 and 8 at 80,000 NFE)."""
@@ -143,7 +145,7 @@ def part2(args):
     from g2rpo import g2rpo_update
 
     adapter = load_tiny(args.tiny_cache)
-    B, G, res = 1, 4 if args.quick else 12, tiny.RESOLUTION  # G 12: the reference's group size
+    B, G, res = 1, args.speed_group_size, tiny.RESOLUTION
     steps, grans = [0, 1, 2, 3], [1, 2, 3]
     sigmas = sigma_schedule(8, 3.0)
     prompts = tiny.prompt_split()[0][:B]
@@ -513,6 +515,7 @@ def _plot(curves, path):
 def main(args: Args):
     if args.quick:  # 128 NFE: every row at its floor of 2 iterations
         args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 128, 0, 1, 1
+        args.speed_group_size = 4
         args.prompts_per_iteration, args.extra = 2, ("--eval-prompts", "4", "--group-size", "4", *args.extra)
         args.output_dir = os.path.join(args.output_dir, "quick")
     os.makedirs(args.output_dir, exist_ok=True)
