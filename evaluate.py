@@ -47,10 +47,10 @@ from typing import Optional
 import torch
 import tyro
 
-import flags
+from lab import flags
 import rewards
-from flags import fail, read_prompts
-from run import backend, eval_noise_generator
+from lab.flags import fail, read_prompts
+from lab.run import backend, eval_noise_generator
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -138,7 +138,7 @@ def is_checkpoint(folder: str) -> bool:
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint folder as given, or a run folder's newest checkpoint that verifies, by train.py --resume's rule
     (iter_N folders only: not .tmp, .damaged, .replaced or a user's copy); either must verify."""
-    import checkpoint
+    from lab import checkpoint
 
     if is_checkpoint(path):
         problem = checkpoint.verify(path)
@@ -158,7 +158,7 @@ def run_config(checkpoint: str) -> dict:
     run folder has its own copy in trainer.pt / trainer.json; {} when neither holds one."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.json")
     if not os.path.isfile(path):
-        import checkpoint as checkpoints
+        from lab import checkpoint as checkpoints
 
         try:
             saved = checkpoints.read_trainer_state(checkpoint).get("config") or {}
@@ -193,7 +193,7 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
 
 
 def check_settings(s: dict, where: str):
-    from models import RESOLUTION_MULTIPLE
+    from lab.models import RESOLUTION_MULTIPLE
 
     multiple = RESOLUTION_MULTIPLE[s["model"]]
     if s["num_steps"] < 1 or s["max_sequence_length"] < 1 or not s["guidance"] >= 0 or not s["shift"] > 0:
@@ -274,13 +274,13 @@ def load_base(settings: dict, args, device, dtype, config: dict):
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    import models
+    from lab import models
 
     diffusers_logging.disable_progress_bar()  # one bar: ours
     transformers_logging.disable_progress_bar()
     path = settings["model_path"]
     if settings["model"] == "tiny" and not path:
-        import tiny
+        from lab import tiny
 
         cache = args.tiny_cache or config.get("tiny_cache") or ".cache"
         path = tiny.ensure_pretrained_on_ranks(cache)
@@ -484,7 +484,7 @@ def compare(args):
     adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     lock = None
     if rank == 0:  # a second evaluation into this folder is refused instead of mixing its files with this one's
-        import checkpoint
+        from lab import checkpoint
 
         try:  # after the checks and the model load: an evaluation refused for bad input writes nothing
             lock = checkpoint.lock_output(args.output_dir)
@@ -507,7 +507,7 @@ def score_rows(args, rows, adapter, metric_fns, prompts, items, grid_items, rank
     the grid's images. Returns (per-model results, per-model grid images) on rank 0, ([], []) elsewhere."""
     from tqdm import tqdm
 
-    from run import frame_strips
+    from lab.run import frame_strips
 
     mine = list(range(rank, len(items), world))  # this rank's item indices
     bar = tqdm(total=len(rows) * -(-len(mine) // args.batch_size), disable=rank != 0, desc="evaluate",

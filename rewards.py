@@ -14,7 +14,7 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | aesthetic     | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head | MLP(normalised image features)    |
 | imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
-| shapes        | none: the tiny world's pixel rule (tiny.py)                  | colour, position, shape in [0, 1] |
+| shapes        | none: the tiny world's pixel rule (lab/tiny.py)                  | colour, position, shape in [0, 1] |
 
 Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
 reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
@@ -249,9 +249,9 @@ def imagereward(device, dtype, batch_size, paths):
 
 
 def shapes(device, dtype, batch_size, paths):
-    """The tiny world's rule: does the image show the colour, shape and position its prompt names (tiny.py). It
+    """The tiny world's rule: does the image show the colour, shape and position its prompt names (lab/tiny.py). It
     carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
-    from tiny import shape_reward, shape_success
+    from lab.tiny import shape_reward, shape_success
 
     reward = _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
     reward.success = _batched(lambda images, prompts: shape_success(images.to(device), prompts), batch_size)
@@ -260,9 +260,9 @@ def shapes(device, dtype, batch_size, paths):
 
 def unifiedreward(device, dtype, batch_size, paths):
     """UnifiedReward: a vision-language judge behind an OpenAI-compatible chat-completions server (vLLM, SGLang);
-    its HTTP client is judge.py. Each image goes to the server as a PNG beside the scoring question, and the score
+    its HTTP client is lab/judge.py. Each image goes to the server as a PNG beside the scoring question, and the score
     (1-5) is parsed from the reply; `batch_size` requests are in flight at once. A reply without a score gives NaN."""
-    import judge
+    from lab import judge
 
     question = judge.QUESTION
     if paths["unifiedreward_question_file"]:

@@ -36,13 +36,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import checkpoint
+from lab import checkpoint
 import rewards
 from advantage import granular_advantages, step_credit
-from flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
+from lab.flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
 from g2rpo import g2rpo_update, random_step_mask, update_loss
-from models import ADAPTERS, ModelLoadError, add_lora
-from run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend, checked,
+from lab.models import ADAPTERS, ModelLoadError, add_lora
+from lab.run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend, checked,
                  eval_noise_generator)
 from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
 
@@ -343,7 +343,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     if run.master and before and metrics:
         run.summary(before, metrics, reward_models.fns)
         if args.model == "tiny" and "eval/success/shapes" in metrics:  # where the quick start stands
-            import tiny
+            from lab import tiny
 
             run.log(tiny.quick_start_standing(metrics["eval/success/shapes"], changed_from_preset(args)))
 
@@ -426,7 +426,7 @@ def build_policy(args, device, dtype, distributed, log) -> Policy:
     torch.manual_seed(args.seed)  # LoRA's initialisation; everything else draws from per-prompt generators
     model_path = args.model_path
     if args.model == "tiny":
-        import tiny
+        from lab import tiny
 
         model_path = tiny.ensure_pretrained_on_ranks(args.tiny_cache, log=log)
     try:
@@ -566,7 +566,7 @@ def main(args) -> bool:
             run.resumed_flags(state["config"], config, policy.optimizer)
             log(f"resumed from {resume_from} at iteration {start}")
         if args.rollout_precision == "fp8":  # from the weights the run starts with (after a resume, the loaded ones)
-            from kernels import Float8Copy
+            from lab.kernels import Float8Copy
 
             policy.fp8 = Float8Copy(policy.transformer)
             log(f"FP8 rollout copy: {len(policy.fp8.names)} linear layers of the blocks quantized in "

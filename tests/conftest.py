@@ -18,7 +18,7 @@ def build_sd3_pipeline(seed=0):
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    import tiny
+    from lab import tiny
 
     torch.manual_seed(seed)
     clip_tok, t5_tok = tiny.build_tokenizers()
@@ -55,7 +55,7 @@ def build_zimage_pipeline(seed=0):
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    import tiny
+    from lab import tiny
 
     torch.manual_seed(seed)
     tokenizer = tiny.build_chat_tokenizer()
@@ -76,7 +76,7 @@ def build_flux2_pipeline(seed=0, distilled=True):
                            Flux2Transformer2DModel)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import tiny
+    from lab import tiny
 
     torch.manual_seed(seed)
     tokenizer = tiny.build_chat_tokenizer()
@@ -104,7 +104,7 @@ def build_qwenimage_pipeline(seed=0):
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    import tiny
+    from lab import tiny
 
     torch.manual_seed(seed)
     tokenizer = tiny.build_qwen_tokenizer()
@@ -135,7 +135,7 @@ def _tiny_umt5():
     """Wan's text side, tiny: the tiny world's T5 tokenizer and a 2-layer UMT5 encoder (seed torch first)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    import tiny
+    from lab import tiny
 
     tokenizer = tiny.build_tokenizers()[1]
     return tokenizer, UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
@@ -213,7 +213,7 @@ def flux2_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def flux_path(tmp_path_factory):
     """A random tiny FLUX.1-style pipeline (guidance embedding, CLIP + T5) in a folder, as users' weights are."""
-    import tiny
+    from lab import tiny
 
     path = str(tmp_path_factory.mktemp("flux") / "pipeline")
     tiny.build_pipeline(seed=0).save_pretrained(path)
@@ -228,7 +228,7 @@ def sd3_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """The pre-trained tiny model, built once per session (about 2 minutes on 2 cores)."""
-    import tiny
+    from lab import tiny
 
     cache = str(tmp_path_factory.mktemp("tiny_cache"))
     tiny.ensure_pretrained(cache)

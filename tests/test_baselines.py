@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-import flags
+from lab import flags
 from advantage import granular_advantages
 from conftest import run_train
 from g2rpo import g2rpo_update, random_step_mask

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-import tiny
+from lab import tiny
 from conftest import run_train
 from tools import bench
 

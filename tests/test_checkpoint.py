@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-import checkpoint
+from lab import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = os.path.join("transformer", "diffusion_pytorch_model.safetensors")
@@ -28,7 +28,7 @@ def start_holder(out):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        import checkpoint
+        from lab import checkpoint
         lock = checkpoint.lock_output({str(out)!r})
         print("locked", flush=True)
         time.sleep(120)
@@ -62,7 +62,7 @@ def test_a_second_process_is_refused_while_this_one_holds_and_a_clean_release_le
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {ROOT!r})
-        import checkpoint
+        from lab import checkpoint
         try:
             with checkpoint.lock_output({str(tmp_path)!r}):
                 print("took it")
@@ -385,7 +385,7 @@ def test_a_save_that_runs_out_of_space_removes_its_partial_files(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal, sys, torch
         sys.path.insert(0, {ROOT!r})
-        import checkpoint
+        from lab import checkpoint
         from diffusers import FluxTransformer2DModel
         model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
@@ -458,7 +458,7 @@ HOST_MEMORY_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     import torch.distributed as dist
     sys.path.insert(0, {root!r})
-    import checkpoint
+    from lab import checkpoint
     from diffusers import FluxTransformer2DModel
     from torch.distributed.fsdp import fully_shard
 
@@ -512,7 +512,7 @@ def test_a_sharded_save_and_resume_hold_no_gathered_state(tmp_path, ranks=2):
 
 
 def test_export_refuses_in_one_line_and_writes_nothing(tmp_path, capsys):
-    """`python checkpoint.py export`: a missing folder, a non-sharded one and a damaged one are each one line."""
+    """`python -m lab.checkpoint export`: a missing folder, a non-sharded one and a damaged one are each one line."""
     damaged = tmp_path / "iter_000001"
     (damaged / "dcp").mkdir(parents=True)
     (damaged / "dcp" / ".metadata").write_bytes(b"garbage")

@@ -114,7 +114,7 @@ def test_evaluate_restates_no_flag_of_train_py():
     import dataclasses
     import typing
 
-    import flags
+    from lab import flags
 
     train = typing.get_type_hints(flags.TrainArgs, include_extras=True)
     ours = typing.get_type_hints(evaluate.Args, include_extras=True)
@@ -160,7 +160,7 @@ def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folder
 
 def test_lora_checkpoint_loads_with_its_alpha(flux_path, runs):
     """The LoRA that evaluate.py loads gives the transformer that was saved (rank 4, alpha 8: scale 2)."""
-    import models
+    from lab import models
 
     adapter = models.ADAPTERS["flux"].load(flux_path, "cpu", torch.float32, guidance=3.5, max_sequence_length=16)
     folder = evaluate.resolve_checkpoint(runs["lora"])
@@ -266,7 +266,7 @@ def test_bad_runs_give_one_error_line(argv, message, tmp_path):
 
 def test_hpdv2_prompt_files_from_annotations(tmp_path):
     """train.json and test.json in HPDv2's layout -> one prompt a line, each once, in order, newlines collapsed."""
-    import flags
+    from lab import flags
     from tools import hpdv2
 
     annotations = tmp_path / "HPDv2"
@@ -351,7 +351,7 @@ def test_ctrl_c_exits_quietly(tmp_path):
 def test_evaluations_get_their_own_folder_and_one_at_a_time(runs, tmp_path, monkeypatch):
     """By default a run's evaluation goes into its own eval/; a second evaluation into a folder that one holds is
     refused, not mixed into it."""
-    import checkpoint
+    from lab import checkpoint
 
     args = evaluate.tyro.cli(evaluate.Args, args=["--checkpoint", runs["lora"]])
     assert args.output_dir == ""

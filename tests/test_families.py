@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import QUICK, run_train
-from models import ADAPTERS, WanAdapter
+from lab.models import ADAPTERS, WanAdapter
 from sampler import ode_sample, rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 PROMPTS = ["a red circle on the left", "two blue squares"]
@@ -97,7 +97,7 @@ def test_sd3_guidance_up_to_1_is_the_conditional_velocity(sd3_path):
 
 
 def test_a_distilled_flux2_refuses_guidance(flux2_path, capsys):
-    import flags
+    from lab import flags
 
     with pytest.raises(SystemExit):
         flags.check_flags(flags.parse_args(["--model", "flux2", "--model-path", flux2_path, "--guidance", "4"]), 1)
@@ -276,7 +276,7 @@ def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(family, 
 
 
 def test_an_image_reward_scores_a_video_as_the_mean_over_its_frames():
-    import tiny
+    from lab import tiny
     from rewards import load_reward
 
     prompts = ["a red circle on the left", "a blue bar on the top"]

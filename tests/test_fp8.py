@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import QUICK, ROOT, run_train
-from kernels import Float8Copy, fp8_problem, round_to_fp8_rows
+from lab.kernels import Float8Copy, fp8_problem, round_to_fp8_rows
 from sampler import rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step, sigma_schedule
 
 

@@ -19,9 +19,9 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch.nn.attention import SDPBackend
 
-import kernels
-import models
-import tiny
+from lab import kernels
+from lab import models
+from lab import tiny
 from sampler import sde_step, sigma_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-import flags
+from lab import flags
 from tools import plan
 
 TOLERANCE = 0.02
@@ -105,8 +105,8 @@ def test_an_fp8_run_holds_its_copy_in_every_phase(fused):
     """--rollout-precision fp8 adds the copy's bytes to every phase's weights: one a quantized weight (the blocks'
     attention and feed-forward layers, kernels.fp8_layers), four a row for its scales, and (the tiny preset is a full
     fine-tune) two a row for its bf16 bias."""
-    import tiny
-    from kernels import fp8_layers
+    from lab import tiny
+    from lab.kernels import fp8_layers
 
     with_copy, notes, _ = plan.plan(small_args("--rollout-precision", "fp8"), log=lambda m: None)
     plain = fused[0]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import flags
+from lab import flags
 import train
 from conftest import QUICK, ROOT, run_train
 
@@ -171,7 +171,7 @@ def start_train(args, env=None):
 
 
 def read_iteration(out):
-    import checkpoint
+    from lab import checkpoint
 
     return checkpoint.read_trainer_state(checkpoint.latest_checkpoint(out))["iteration"]
 
@@ -246,7 +246,7 @@ def test_torchrun_preemption_stops_within_a_grace_shorter_than_an_iteration(flux
     assert "Unable to shutdown process" not in stderr, stderr[-2000:]  # torchrun's line before its SIGKILL
     stopped = re.search(r"stopped during iteration (\d+), before its update", stdout)
     assert stopped, stdout[-2000:]
-    import checkpoint
+    from lab import checkpoint
 
     logged = [json.loads(l)["iteration"] for l in open(os.path.join(out, "metrics.jsonl"))]
     newest = checkpoint.latest_checkpoint(out)
@@ -262,7 +262,7 @@ def test_second_sigterm_during_a_two_rank_save_exits_130_quietly(flux_path, tmp_
     are started as torchrun starts them (its environment variables), so that each one's exit status is seen."""
     import socket
 
-    import checkpoint
+    from lab import checkpoint
 
     for attempt in range(3):
         out = str(tmp_path / f"run{attempt}")
@@ -297,7 +297,7 @@ def test_second_sigterm_during_a_two_rank_save_exits_130_quietly(flux_path, tmp_
 
 def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys):
     import rewards
-    import tiny
+    from lab import tiny
 
     train_prompts = set(open(PROMPTS).read().split("\n"))
     calls = {"train": 0}
@@ -394,7 +394,7 @@ def test_second_signal_aborts_at_once_keeping_the_last_checkpoint(flux_path, tmp
     iteration, and the newest checkpoint is whole."""
     import threading
 
-    import checkpoint
+    from lab import checkpoint
 
     slow = ["--group-size", "8", "--num-steps", "8", "--sde-steps", "0", "1", "2", "3"]  # iterations of ~1 s
     out = str(tmp_path / "run")
@@ -515,7 +515,7 @@ def test_resume_into_a_missing_folder_writes_nothing(base, capsys, tmp_path):
 
 
 def test_prompt_files_a_bom_a_control_character_and_a_fifo(base, capsys, tmp_path):
-    from flags import read_prompts
+    from lab.flags import read_prompts
 
     bom = tmp_path / "bom.txt"
     bom.write_bytes("\ufeffa red circle on the left\nа blue square\n".encode("utf-8"))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import judge
+from lab import judge
 import rewards
 from rewards import RewardError, load_reward, parse_rewards, preprocess
 
@@ -105,7 +105,7 @@ def hf_clip_folders(tmp_path_factory):
     """A transformers CLIPModel and a CLIPProcessor saved with save_pretrained."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    import tiny
+    from lab import tiny
 
     torch.manual_seed(0)
     tokenizer, _ = tiny.build_tokenizers()
@@ -157,7 +157,7 @@ def test_aesthetic_head(hf_clip_folders, tmp_path):
 
 
 def test_shapes_reward_prefers_the_named_attributes():
-    import tiny
+    from lab import tiny
 
     gen = torch.Generator().manual_seed(0)
     prompts = tiny.all_prompts()
@@ -187,7 +187,7 @@ def test_shapes_reward_prefers_the_named_attributes():
 
 
 def test_shapes_success_is_strict_on_hand_made_images():
-    import tiny
+    from lab import tiny
 
     prompts = tiny.all_prompts()  # 48: colour-major, then shape, then position
     images = tiny.render(prompts, torch.Generator().manual_seed(0))

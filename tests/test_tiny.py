@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-import tiny
+from lab import tiny
 from conftest import run_train
 
 

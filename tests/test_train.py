@@ -99,7 +99,7 @@ def test_resume_equals_uninterrupted(extra, flux_path, tmp_path):
 
 
 def test_ema_is_the_hand_computed_average():
-    from run import EMA
+    from lab.run import EMA
 
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     ema = EMA([("w", w)], decay=0.5, every=2)
@@ -186,7 +186,7 @@ def check_sharded_checkpoints(common, one, two, tmp_path):
     uninterrupted runs did (across world sizes, up to the order of the gradient reduction)."""
     import shutil
 
-    import checkpoint
+    from lab import checkpoint
 
     first = os.path.join(two, "checkpoints", "iter_000001")
     assert sorted(os.listdir(os.path.join(first, "dcp"))) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -205,7 +205,7 @@ def check_sharded_checkpoints(common, one, two, tmp_path):
                 assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
             else:
                 close(resumed, uninterrupted)
-    checkpoint.export_command(first, log=lambda *_: None)  # `python checkpoint.py export`, in this process
+    checkpoint.export_command(first, log=lambda *_: None)  # `python -m lab.checkpoint export`, in this process
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     exported = FluxTransformer2DModel.from_pretrained(os.path.join(first, "transformer"))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-import flags
+from lab import flags
 from sampler import rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 
@@ -132,15 +132,15 @@ def recipe_cost(method):
 # part 2: speed on the tiny model
 # ---------------------------------------------------------------------------------------------------------------
 def load_tiny(cache):
-    import tiny
-    from models import FluxAdapter
+    from lab import tiny
+    from lab.models import FluxAdapter
 
     path = tiny.ensure_pretrained(cache, log=lambda *a: None)
     return FluxAdapter.load(path, "cpu", torch.float32, guidance=3.5, max_sequence_length=16)
 
 
 def part2(args):
-    import tiny
+    from lab import tiny
     from advantage import granular_advantages
     from g2rpo import g2rpo_update
 

@@ -54,7 +54,7 @@ from typing import Literal
 import torch
 import tyro
 
-import flags
+from lab import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
@@ -160,8 +160,8 @@ def build(scale: Scale, options: dict):
     the trainer's targets, gradient checkpointing, random prompt embeddings. Returns (adapter, cond, params)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    import models
-    import tiny
+    from lab import models
+    from lab import tiny
 
     device, dtype = device_and_dtype()
     torch.manual_seed(0)
@@ -241,7 +241,7 @@ ETA, CLIP_RANGE, SHIFT = (flags.preset("flux")[name] for name in ("eta", "clip_r
 
 def decode_and_reward(adapter, final_latents, resolution, chunk=8):
     """Every final latent (B, J, K, G, ...) decoded by the VAE, scored by the tiny world's pixel rule: (B, J, K, G)."""
-    import tiny
+    from lab import tiny
 
     flat = final_latents.flatten(0, 3)  # (B*J*K*G, L, 4C)
     scores = [tiny.shape_reward(adapter.decode(part, resolution), ["a red circle on the left"] * len(part))
@@ -356,7 +356,7 @@ def case_iteration(scale: Scale, case: dict) -> dict:
 
 def case_lever(scale: Scale, case: dict) -> dict:
     """Part 4: one lever (adapter options) probed at each resolution, one model for all of them."""
-    from kernels import compile_blocks
+    from lab.kernels import compile_blocks
 
     options = dict(rollout_attention_backend=case.get("rollout_attention_backend", "auto"),
                    compile=scale.compile if case.get("compile") and not case.get("compile_mode") else False)
@@ -373,7 +373,7 @@ def case_lever(scale: Scale, case: dict) -> dict:
 def fp8_copy(adapter, scale: Scale):
     """The trainer's FP8 copy of the transformer (`kernels.Float8Copy`), compiled with the scale's backend:
     torchao's quantization on CUDA, the weight-rounding stand-in on a CPU."""
-    from kernels import Float8Copy, round_to_fp8_rows
+    from lab.kernels import Float8Copy, round_to_fp8_rows
 
     return Float8Copy(adapter.transformer, compile=scale.fp8_compile,
                       quantize=None if torch.cuda.is_available() else round_to_fp8_rows)
@@ -547,7 +547,7 @@ def start_tiny(args: Args, scale: Scale, name="tiny"):
     out = os.path.join(args.output_dir, name)
     argv = [*scale.tiny_args, "--output-dir", out, "--overwrite", *TINY_RUNS[name]]
     if args.config == "small":  # a random tiny pipeline: the small check has no minutes for pre-training
-        import tiny
+        from lab import tiny
 
         path = os.path.join(args.output_dir, "tiny_pipeline")
         tiny.build_pipeline(seed=0).save_pretrained(path)

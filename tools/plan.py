@@ -64,14 +64,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import flags
+from lab import flags
 import rewards
 import train
 from g2rpo import optimizer_step, step_loss_backward
-from kernels import fp8_sharding_problem, sdpa_backends
-from models import ADAPTERS
-from checkpoint import EXPORT_SHARD_BYTES
-from flags import fail
+from lab.kernels import fp8_sharding_problem, sdpa_backends
+from lab.models import ADAPTERS
+from lab.checkpoint import EXPORT_SHARD_BYTES
+from lab.flags import fail
 from sampler import sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -301,7 +301,7 @@ def build_pipeline(args, folder: str, dtype, transformer_dtype, fake_mode):
     """The run's diffusers pipeline from the configurations in `folder` (tiny: its own builder). Text encoders and
     VAE in `dtype`, the transformer in `transformer_dtype`; tokenizers from a small vocabulary (what is measured
     does not depend on it: prompts are padded to their fixed length)."""
-    import tiny
+    from lab import tiny
 
     if args.model == "tiny":
         with building(dtype, fake_mode):
@@ -352,7 +352,7 @@ def _build_zimage(args, folder, dtype, transformer_dtype, fake_mode):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    import tiny
+    from lab import tiny
 
     with building(dtype, fake_mode):
         vae = _built(folder, "vae.json", AutoencoderKL)
@@ -370,7 +370,7 @@ def _build_flux2(args, folder, dtype, transformer_dtype, fake_mode):
                            Flux2Transformer2DModel)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import tiny
+    from lab import tiny
 
     with building(dtype, fake_mode):
         vae = _built(folder, "vae.json", AutoencoderKLFlux2)
@@ -393,7 +393,7 @@ def _build_qwenimage(args, folder, dtype, transformer_dtype, fake_mode):
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    import tiny
+    from lab import tiny
 
     with building(dtype, fake_mode):
         vae = _built(folder, "vae.json", AutoencoderKLQwenImage)
@@ -417,7 +417,7 @@ def _build_wan(args, folder, dtype, transformer_dtype, fake_mode):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    import tiny
+    from lab import tiny
 
     tokenizer = tiny.build_tokenizers()[1]
     tokenizer.model_max_length = 512
@@ -471,7 +471,7 @@ def _clip_image_text_score(model, device, dtype, text=True):
     import rewards
     from transformers import CLIPImageProcessor
 
-    import tiny
+    from lab import tiny
 
     tokenizer, ip = tiny.build_tokenizers()[0], CLIPImageProcessor()
     if text:
@@ -693,7 +693,7 @@ def with_fp8_copy(rows, transformer, full: bool):
     forwards' activations are counted as the bf16 call's (the FP8 activations are smaller, their scales negligible).
     The plan counts the bytes whatever the run's precision; train.py refuses FP8 in an fp32 run. Returns (rows, the
     note that says so)."""
-    from kernels import fp8_layers
+    from lab.kernels import fp8_layers
 
     layers = [linear for _, linear in fp8_layers(transformer)]
     extra = sum(linear.weight.numel() + 4 * linear.out_features

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
-import checkpoint
-from flags import fail
+from lab import checkpoint
+from lab import fail
 
 
 @dataclass

@@ -16,8 +16,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-import checkpoint
-from flags import fail
+from lab import checkpoint
+from lab import fail
 
 GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps as many of its first evaluation batch (on the CPU)
 

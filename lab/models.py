@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from kernels import Kernels
+from lab.kernels import Kernels
 from sampler import prompt_noise
 
 LORA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]

@@ -23,16 +23,10 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import rewards
-from kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
-from models import ADAPTERS, RESOLUTION_MULTIPLE
+from lab import fail
+from lab.kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
+from lab.models import ADAPTERS, RESOLUTION_MULTIPLE
 from sampler import KL_FORMS, SDE_TYPES, granular_schedule, sigma_schedule
-
-
-def fail(message: str):
-    """Bad input or an unusable state: one line (on rank 0 only, so torchrun shows it once), exit status 2."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def read_prompts(path: str, what: str):

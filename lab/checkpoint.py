@@ -43,7 +43,7 @@ checkpoint's large files are verified by size and by DCP's own metadata (every t
 must lie inside the files), not hashed: hashing a FLUX full fine-tune's 143 GB at every save and resume would cost
 minutes.
 
-    python checkpoint.py export runs/flux/checkpoints/iter_000050    # writes its transformer/ (and ema.safetensors)
+    python -m lab.checkpoint export runs/flux/checkpoints/iter_000050    # writes its transformer/ (and ema.safetensors)
 """
 import atexit
 import contextlib
@@ -440,7 +440,7 @@ def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora
 
 def _foreign_files(path):
     """The files of checkpoint `path` that its save did not write (its manifest's list), e.g. a transformer/ that
-    `checkpoint.py export` added later; None when it has no manifest (an older version's), which counts as its own."""
+    `python -m lab.checkpoint export` added later; None when it has no manifest (an older version's), which counts as its own."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = set(json.load(f)["files"]) | {MANIFEST}
@@ -709,7 +709,7 @@ def truncate_metrics(path, upto_iteration, log=print) -> list:
 
 
 def export_command(path, log=print):
-    """`python checkpoint.py export PATH`: check the checkpoint, hold it, export; a problem is one `error:` line
+    """`python -m lab.checkpoint export PATH`: check the checkpoint, hold it, export; a problem is one `error:` line
     (exit 2) with nothing left half-written."""
     def stop(message):
         print(f"error: {message}", file=sys.stderr)
@@ -743,5 +743,5 @@ def export_command(path, log=print):
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "export":
-        raise SystemExit("usage: python checkpoint.py export CHECKPOINT_FOLDER   (writes its transformer/)")
+        raise SystemExit("usage: python -m lab.checkpoint export CHECKPOINT_FOLDER   (writes its transformer/)")
     export_command(sys.argv[2])

@@ -289,7 +289,7 @@ def build_pipeline(seed: int, hidden: int = 64, layers: int = 2):
 
 
 def _pretrain(seed, vae_steps, flow_steps, log=print):
-    from models import FluxAdapter
+    from lab.models import FluxAdapter
 
     pipe = build_pipeline(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -388,7 +388,7 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
             pass
         os.remove(os.path.join(cache_dir, ".writable"))
     except OSError as err:
-        from flags import fail
+        from lab import fail
 
         fail(f"--tiny-cache '{cache_dir}' is not writable ({err.strerror}); pass a folder you can write to")
     log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")

@@ -1,0 +1,23 @@
+"""The lab: everything a run needs that is not the method.
+
+    flags.py       the command line: every flag once, the presets, the checks before anything loads
+    run.py         the run folder and its lock, signals, faults, metrics, trackers, grids, EMA, collectives
+    checkpoint.py  checkpoints: atomic saves, verification, resume, sharded (FSDP2) save and export
+    models.py      one adapter per model family: encode, noise, velocity, decode, LoRA targets
+    kernels.py     attention kernels, autocast, compilation, the FP8 rollout copy, the gradient self-check
+    tiny.py        the tiny world: a small FLUX-architecture model pre-trained on the CPU, and its shapes reward
+    judge.py       the HTTP client of a vision-language judge (UnifiedReward)
+
+The method files (sampler.py, advantage.py, g2rpo.py) and the peers in methods/ never import this package; the
+scripts (train.py, evaluate.py, tools/) use both. Inside it imports flow one way: flags -> models -> kernels, and
+run -> checkpoint; `fail` lives here so that every module can end a run with one line without importing flags.
+"""
+import os
+import sys
+
+
+def fail(message: str):
+    """Bad input or an unusable state: one line (on rank 0 only, so torchrun shows it once), exit status 2."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
