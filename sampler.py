@@ -4,6 +4,10 @@ Time convention (used everywhere in this project): sigma runs from 1 (pure noise
     x_sigma = (1 - sigma) * x0 + sigma * eps,     the model predicts the velocity v ~ eps - x0,
 so an Euler (ODE) step from sigma to sigma_next is x + (sigma_next - sigma) * v, and x0_hat = x - sigma * v.
 
+The SDE step (paper Eq. 4-5), from sigma to sigma_next = sigma + dt (dt < 0), with noise scale std_dev:
+    mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
+    std  = std_dev * sqrt(-dt),      std_dev = eta * sqrt(sigma / (1 - sigma)),      x_next ~ N(mean, std^2)
+
 G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   1. one initial noise x_T shared by the G group members;
   2. a deterministic ODE anchor trajectory anchor[0..N] from x_T;
@@ -12,22 +16,18 @@ G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   4. multi-granularity completion: from x_{k+1}^i, an ODE on `granular_schedule(sigmas, k, g)` for each g in Lambda.
 `rollout_g2rpo_paper` is that procedure written loop for loop at batch 1, for reading; `rollout_g2rpo` computes
 the same latents with shared and batched forwards (tests/test_method.py checks they agree).
-The baselines sample G whole trajectories per prompt instead: `rollout_full_sde` (DanceGRPO, Flow-GRPO), and
-`rollout_mixed` with SDE steps only in a window (MixGRPO, Flow-GRPO-Fast). The SDE step has the peers' three forms
-(`sde_mean_std`: Flow-GRPO's, DanceGRPO's constant std_dev, Flow-GRPO's coefficients-preserving one).
 
 A model enters only as a velocity function `velocity_fn(latents, sigma, prompt_index) -> velocity`, with latents
 (n, ...) in the model's own layout, a per-sample sigma (n,) and a per-sample index (n,) into the prompt batch, so
 branches at different steps and of different prompts share one transformer call. A rollout may take a second one,
-`image_only_fn`, for the forwards whose velocity no log-probability reads: the anchor's (or a trajectory's) steps
-outside the trained set and every ODE completion. They only make the images that are scored, so they may run on a
-cheaper copy of the model (--rollout-precision fp8), while the trained steps, whose log-probabilities the update's
-ratio divides by, stay on `velocity_fn`.
+`image_only_fn`, for the forwards whose velocity no log-probability reads: the anchor's steps outside the trained
+set and every ODE completion. They only make the images that are scored, so they may run on a cheaper copy of the
+model (--rollout-precision fp8), while the trained steps, whose log-probabilities the update's ratio divides by,
+stay on `velocity_fn`.
 
 Shapes: B prompts, G group size, K SDE steps in M, J granularities in Lambda, N sampling steps, (...) the latent.
 
-Deviations from the reference code (numbers of the README's list): 1 (shared forwards), 2 (batching), 14 (the
-baselines' SDE forms, per-member noise, x0 decoding and windows).
+Deviations from the reference code (numbers of the README's list): 1 (shared forwards), 2 (batching).
 """
 import math
 from dataclasses import dataclass
@@ -41,97 +41,66 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
     return (shift * s / (1 + (shift - 1) * s)).float()  # (N + 1,)
 
 
-SDE_TYPES = ("flow", "dance", "cps")
-
-
-def sde_std_dev(sigmas, i, eta, sde_type="flow") -> float:
-    """The noise scale std_dev of step i, before the sqrt(-dt) of the step: Flow-GRPO's eta * sqrt(sigma / (1 - sigma))
-    (at sigma = 1 that divides by 0: the reference code divides by 1 - sigmas[1] instead, and so do we), or
-    DanceGRPO's constant eta."""
-    if sde_type == "dance":
-        return eta
+def sde_std_dev(sigmas, i, eta) -> float:
+    """The noise scale std_dev of step i, before the sqrt(-dt) of the step: eta * sqrt(sigma / (1 - sigma)). At
+    sigma = 1 that divides by 0: the reference code divides by 1 - sigmas[1] instead, and so do we."""
     sigma = float(sigmas[i])
     return eta * math.sqrt(sigma / (1 - (sigma if sigma < 1 else float(sigmas[1]))))
 
 
-def sde_mean_std(x, v, sigmas, i, eta, sde_type="flow"):
-    """The Gaussian step from sigmas[i] to sigmas[i + 1]: (mean, std) of x_next given x and the velocity v (fp32).
-
-    flow (Flow-GRPO, paper Eq. 4-5) and dance (DanceGRPO) share the mean and differ in std_dev; dt = sigma' - sigma < 0:
+def sde_mean_std(x, v, sigmas, i, std_dev):
+    """The Gaussian step from sigmas[i] to sigmas[i + 1] with noise scale `std_dev`: (mean, std) of x_next given x
+    and the velocity v (fp32). dt = sigma' - sigma < 0:
         mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
         std  = std_dev * sqrt(-dt)
-    cps (Flow-GRPO's coefficients-preserving sampling, Wang & Yu 2025) keeps the total noise at sigma':
-        x0_hat = x - sigma v,  eps_hat = x + (1 - sigma) v,  std = sigma' sin(eta pi / 2)
-        mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat
     """
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma
-    if sde_type == "cps":
-        std = sigma_next * math.sin(eta * math.pi / 2)
-        mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
-        return mean, std
-    std_dev = sde_std_dev(sigmas, i, eta, sde_type)
     mean = x * (1 + std_dev**2 / (2 * sigma) * dt) + v * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
     return mean, std_dev * math.sqrt(-dt)
 
 
-def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, sde_type="flow"):
-    """One step from sigmas[i] to sigmas[i + 1]; returns (next_latents, log_prob (batch,) or None when eta == 0).
+def gaussian_step(mean, std, noise=None, next_latents=None):
+    """Sample x_next = mean + std * noise, or, given `next_latents`, score that stored sample instead (the update
+    re-evaluates rollouts this way). Returns (next_latents, log_prob (batch,))."""
+    if next_latents is None:
+        next_latents = mean + std * (torch.randn_like(mean) if noise is None else noise.float())
+    next_latents = next_latents.float()
+    # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of the
+    # log-ratio, and so the meaning of the clip range (1e-4 in the reference)
+    log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return next_latents, log_prob.mean(dim=tuple(range(1, mean.ndim)))  # (batch,)
 
-    x_next = mean + std * noise with the (mean, std) of `sde_mean_std` (Flow-GRPO's step by default). Given
-    `next_latents`, nothing is sampled: the stored step is scored (the update re-evaluates rollouts this way).
+
+def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
+    """One step from sigmas[i] to sigmas[i + 1]: returns (next_latents, log_prob (batch,) or None when eta == 0).
+
+    x_next = mean + std * noise with the (mean, std) of `sde_mean_std` at std_dev = `sde_std_dev`. Given
+    `next_latents`, nothing is sampled: the stored step is scored.
     """
     # fp32 whatever the model's dtype, so the update re-scores a stored step with the rollout's arithmetic. This
     # alone does not make the first ratio 1: the velocity must also match, and the update computes it through the
     # DDP / FSDP2 wrapper under the update's attention kernel, the rollout through the bare transformer under the
     # rollout's (same weights; the same kernels unless --rollout-attention-backend differs). tools/gpu_check.py measures
-    # the first step's ratio at learning rate 0 on the GPU; losses/ratio_mean logs it every iteration.
+    # the first step's ratio at learning rate 0 on the GPU; losses/first_ratio_error logs it every iteration.
     x, v = latents.float(), velocity.float()
     if eta == 0:
         return x + (float(sigmas[i + 1]) - float(sigmas[i])) * v, None  # plain Euler ODE step; no log-prob
-    mean, std = sde_mean_std(x, v, sigmas, i, eta, sde_type)
-    if next_latents is None:
-        if noise is None:
-            noise = torch.randn_like(x)
-        next_latents = mean + std * noise.float()
-    next_latents = next_latents.float()
-    if sde_type == "cps":
-        # Flow-GRPO's CPS log-prob: -(x_next - mean)^2, the Gaussian's up to its constant and its 1 / (2 std^2)
-        # scale (std is the same under the old and the new policy, so the ratio keeps its sign but not its size:
-        # its clip range is 1e-5 rather than 1e-4). The last step (sigma' = 0) is deterministic: its sample scores 0
-        # at sampling time (and is never trained).
-        log_prob = -((next_latents - mean) ** 2)
-    else:
-        # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of
-        # the log-ratio, and so the meaning of the clip range (1e-4 in the reference)
-        log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
-    return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
+    mean, std = sde_mean_std(x, v, sigmas, i, sde_std_dev(sigmas, i, eta))
+    return gaussian_step(mean, std, noise, next_latents)
 
 
-KL_FORMS = ("exact", "flow-grpo")
-
-
-def sde_kl(velocity, base_velocity, sigmas, i, eta, sde_type="flow", kl_form="exact"):
+def sde_kl(velocity, base_velocity, sigmas, i, std_dev):
     """KL(policy step || base model step) at step i, per sample, averaged over elements like the log-prob: (batch,).
 
     Both steps are Gaussians with the same std, and their means differ only through the velocity:
-    mean - mean_base = (v - v_base) * c, with c the velocity's coefficient in the mean (`sde_mean_std`).
-        exact:     KL = |mean - mean_base|^2 / (2 std^2)        the step's Gaussian KL, std = std_dev sqrt(-dt)
-        flow-grpo: KL = |mean - mean_base|^2 / (2 std_dev^2)    Flow-GRPO's kl_loss: no -dt, so exact * (-dt)
-    cps has no std_dev apart from its std: both forms divide by 2 std^2 there.
+    mean - mean_base = (v - v_base) * c, with c = (1 + std_dev^2 (1 - sigma) / (2 sigma)) dt the velocity's
+    coefficient in the mean (`sde_mean_std`), so KL = |mean - mean_base|^2 / (2 std^2), std = std_dev sqrt(-dt).
     """
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma
-    gap = velocity.float() - base_velocity.float()
-    if sde_type == "cps":
-        std = sigma_next * math.sin(eta * math.pi / 2)
-        # c = -(1 - sigma') sigma + sqrt(sigma'^2 - std^2) (1 - sigma): v's coefficient in the CPS mean
-        mean_gap = gap * (-(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma))
-        kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)  # sigma' = 0: no noise, no KL
-    else:
-        std_dev = sde_std_dev(sigmas, i, eta, sde_type)
-        mean_gap = gap * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
-        kl = mean_gap**2 / (2 * std_dev**2 * -dt) if kl_form == "exact" else mean_gap**2 / (2 * std_dev**2)
+    mean_gap = (velocity.float() - base_velocity.float()) * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
+    kl = mean_gap**2 / (2 * std_dev**2 * -dt)
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
@@ -181,21 +150,25 @@ class CountingVelocity:
 class Rollout:
     """What the update and the rewards need from one rollout.
 
-    latents:        (B, K, S, ...) where each trained step starts: S = 1 (the shared anchor, G2RPO) or S = G (full SDE)
+    start_latents:  (B, K, S, ...) where each trained step starts: S = 1, the anchor that the G members share (G2RPO),
+                    or S = G, one per member (whole trajectories, methods/trajectories.py)
     next_latents:   (B, K, G, ...) each member's SDE sample from there
     old_log_probs:  (B, K, G) its log-probability at sampling time
-    final_latents:  (B, J, K, G, ...) each completion's final latent; full SDE: (B, 1, 1, G, ...), one per trajectory
-    anchor_final:   (B, ...) the anchor's final latent (G2RPO only, scored for logging), else None
+    final_latents:  (B, J, K, G, ...) each completion's final latent; whole trajectories: (B, 1, 1, G, ...)
+    anchor_final:   (B, ...) the anchor's final latent (scored for logging), or None where there is no anchor
+    sde_steps:      the K trained steps
+    granularities:  the J strides of the completions ([] where there is one image per trajectory)
     nfe, calls:     image-forwards and velocity calls of the whole rollout
     image_only_nfe: how many of those forwards went to `image_only_fn` (0 without one)
     """
 
-    latents: torch.Tensor
+    start_latents: torch.Tensor
     next_latents: torch.Tensor
     old_log_probs: torch.Tensor
     final_latents: torch.Tensor
     anchor_final: torch.Tensor | None
     sde_steps: list
+    granularities: list
     nfe: int
     calls: int
     image_only_nfe: int = 0
@@ -223,11 +196,11 @@ def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
 # The G2RPO rollout as the paper states it: one prompt at a time, one member at a time, batch-1 forwards.
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta,
-                            sde_type="flow"):
+def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta):
     """The paper's procedure loop for loop (and the reference code's cost: the SDE-step forward is recomputed for
-    every member, every completion runs on its own). Same arguments, same noise and same `Rollout` as
-    `rollout_g2rpo`; slow, for reading and for checking the fast rollout."""
+    every member, every completion runs on its own). The arguments of `rollout_g2rpo` but its two speed options
+    (every forward is batch 1, on `velocity_fn`): the same noise and the same `Rollout`; slow, for reading and for
+    checking the fast rollout."""
     B, G, device, shape = noise.shape[0], group_size, noise.device, noise.shape[1:]
     forward = CountingVelocity(velocity_fn, max_batch=1)
     K, J = len(sde_steps), len(granularities)
@@ -246,8 +219,7 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
             for member in range(G):
                 # 3. singular stochastic sampling: ONE SDE step from anchor[k]
                 v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)  # (1, ...)
-                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1],
-                                            sde_type=sde_type)
+                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1])
                 next_latents[b, ki, member], old_log_probs[b, ki, member] = x_next[0], log_prob[0]
                 # 4. multi-granularity completion: an ODE from x_{k+1} on each granularity's schedule
                 for j, g in enumerate(granularities):
@@ -257,10 +229,10 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
                         x = x + (schedule[s + 1] - schedule[s]) * forward(x, schedule[s : s + 1], prompt)
                     final_latents[b, j, ki, member] = x[0]
     return Rollout(
-        latents=torch.stack([torch.cat([a[k] for k in sde_steps]) for a in anchors]).unsqueeze(2),  # (B, K, 1, ...)
+        start_latents=torch.stack([torch.cat([a[k] for k in sde_steps]) for a in anchors]).unsqueeze(2),  # (B,K,1,...)
         next_latents=next_latents.to(device), old_log_probs=old_log_probs.to(device),
         final_latents=final_latents.to(device), anchor_final=torch.cat([a[-1] for a in anchors]),  # (B, ...)
-        sde_steps=list(sde_steps), nfe=forward.nfe, calls=forward.calls)
+        sde_steps=list(sde_steps), granularities=list(granularities), nfe=forward.nfe, calls=forward.calls)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -268,7 +240,7 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64,
-                  sde_type="flow", image_only_fn=None):
+                  image_only_fn=None):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
     generators: B CPU torch.Generator, one per prompt, for its members' SDE noise. image_only_fn: the velocity of
     the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`).
@@ -293,19 +265,19 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
     for k in sde_steps:
         member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
         x_next, log_prob = sde_step(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
-                                    sigmas, k, eta, noise=member_noise, sde_type=sde_type)  # (B*G, ...), (B*G,)
+                                    sigmas, k, eta, noise=member_noise)  # (B*G, ...), (B*G,)
         next_latents.append(x_next.view(B, G, *shape))
         old_log_probs.append(log_prob.view(B, G))
 
     # 4. multi-granularity completion of every branch, granularities sharing forwards (deviation 1)
     final = complete_granularities(image_forward, torch.stack(next_latents, 1), sigmas, sde_steps, granularities)
     return Rollout(
-        latents=torch.stack([anchor[k] for k in sde_steps], 1).unsqueeze(2),  # (B, K, 1, ...)
+        start_latents=torch.stack([anchor[k] for k in sde_steps], 1).unsqueeze(2),  # (B, K, 1, ...)
         next_latents=torch.stack(next_latents, 1),  # (B, K, G, ...)
         old_log_probs=torch.stack(old_log_probs, 1),  # (B, K, G)
         final_latents=final,  # (B, J, K, G, ...)
         anchor_final=anchor[-1],  # (B, ...)
-        sde_steps=list(sde_steps), **CountingVelocity.totals(forward, image_forward))
+        sde_steps=list(sde_steps), granularities=list(granularities), **CountingVelocity.totals(forward, image_forward))
 
 
 def complete_granularities(forward, next_latents, sigmas, sde_steps, granularities):
@@ -342,94 +314,3 @@ def complete_granularities(forward, next_latents, sigmas, sde_steps, granulariti
         position += 1
     return torch.stack([torch.stack([final[k, g].view(B, G, *shape) for k in sde_steps], 1)
                         for g in granularities], 1)  # (B, J, K, G, ...)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Baselines: whole trajectories per member, one reward each (DanceGRPO, Flow-GRPO; MixGRPO, Flow-GRPO-Fast)
-# ------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def rollout_full_sde(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
-    """DanceGRPO, Flow-GRPO: G full SDE trajectories per prompt, every step an SDE step; one reward per trajectory
-    is later broadcast to its trained steps `sde_steps`. `options`: those of `rollout_trajectories`."""
-    return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
-                                eta=eta, max_batch=max_batch, ode_elsewhere=False, **options)
-
-
-@torch.no_grad()
-def rollout_mixed(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch=64, **options):
-    """MixGRPO, Flow-GRPO-Fast: G trajectories per prompt, SDE only on `sde_steps` (the window, which is also what
-    is trained) and ODE elsewhere. From a shared initial noise the members are identical until the first SDE step,
-    so those steps run once per prompt: NFE = B * (first + G * (N - first)), first = min(sde_steps)."""
-    return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size, sde_steps=sde_steps,
-                                eta=eta, max_batch=max_batch, ode_elsewhere=True, **options)
-
-
-def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, max_batch,
-                         ode_elsewhere, sde_type="flow", member_noise=False, decode="sample", image_only_fn=None):
-    """G trajectories per prompt: SDE steps on every step, or only on `sde_steps` when `ode_elsewhere`; keeps the
-    start latent, the sample and its log-prob at each step of `sde_steps`.
-
-    noise: (B, ...) one initial noise per prompt, shared by its members (DanceGRPO, MixGRPO), or with `member_noise`
-    (B, G, ...), one per member (Flow-GRPO). decode: the latent a trajectory's image is decoded from, its final
-    sample, or "x0": the x0_hat = x - sigma v of its last step (DanceGRPO; the same latent when that step is ODE).
-    image_only_fn: the velocity of the steps outside `sde_steps` (default `velocity_fn`).
-    """
-    B, G, device = noise.shape[0], group_size, noise.device
-    shape = noise.shape[2:] if member_noise else noise.shape[1:]
-    forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
-    # (B, ...) while the members are still one latent, then (B*G, ...)
-    x, trained = (noise.flatten(0, 1) if member_noise else noise).float(), {}
-    for i in range(len(sigmas) - 1):
-        stochastic = i in sde_steps or not ode_elsewhere
-        if stochastic and x.shape[0] == B:  # the members part at their first SDE step
-            x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
-        index = torch.arange(B, device=device).repeat_interleave(x.shape[0] // B)  # (B or B*G,)
-        v = (forward if i in sde_steps else image_forward)(
-            x, sigmas[i].expand(x.shape[0]).to(device), index)  # (B or B*G, ...)
-        if not stochastic:
-            x, _ = sde_step(x, v, sigmas, i, eta=0.0)
-            continue
-        step_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
-        x_next, log_prob = sde_step(x, v, sigmas, i, eta, noise=step_noise, sde_type=sde_type)
-        if i in sde_steps:
-            trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
-        if decode == "x0" and i == len(sigmas) - 2:
-            x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat = x - sigma v of the last step: (B*G, ...)
-        x = x_next
-    if x.shape[0] == B:  # no SDE step at all (MixGRPO's empty window): G copies of the ODE sample
-        x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
-    def stack(part, like):  # the trained steps' part along dim 1; K = 0 (an empty window): an empty one
-        return (torch.stack([trained[k][part] for k in sde_steps], 1) if sde_steps
-                else like.new_zeros(B, 0, *like.shape[1:]))
-    return Rollout(
-        latents=stack(0, x.view(B, G, *shape)),  # (B, K, G, ...)
-        next_latents=stack(1, x.view(B, G, *shape)),  # (B, K, G, ...)
-        old_log_probs=stack(2, x.new_zeros(B, G)),  # (B, K, G)
-        final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
-        anchor_final=None, sde_steps=list(sde_steps), **CountingVelocity.totals(forward, image_forward))
-
-
-def window_steps(iteration, *, num_steps, size, stride, every, schedule="wrap", end=0, seed=0):
-    """The SDE window of an iteration, a list of consecutive steps.
-
-    wrap:    starts at 0 and moves `stride` steps every `every` iterations, wrapping round at the end of the
-             schedule: full-size windows over steps 0..N-1.
-    mixgrpo: MixGRPO's progressive window: range(start, min(start + size, N - 2)), start moving `stride` every
-             `every` iterations and rolling back to 0 once it passes N - 2. So it shrinks at the end, is empty once
-             a cycle (start = N - 2), and never covers the last two steps.
-    random:  drawn afresh each iteration from (seed, iteration): size steps within 0..end - 1 (end 0: N);
-             Flow-GRPO-Fast draws its window within the first half (end = N // 2).
-    """
-    if schedule == "random":
-        draw = torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
-        start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=draw))
-        return list(range(start, start + size))
-    if schedule == "mixgrpo":
-        last, start = num_steps - 2, 0  # its bound is exclusive: the last trained step is N - 3
-        for _ in range(iteration // every):
-            start += stride
-            if start > last:
-                start = 0  # roll back
-        return list(range(start, min(start + size, last)))
-    start = (iteration // every) * stride % (num_steps - size + 1)
-    return list(range(start, start + size))

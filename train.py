@@ -2,18 +2,17 @@
 
 One iteration (`iteration` below), on each rank, for its own prompts (a group never spans ranks, so advantages need
 no communication, except Flow-GRPO's global std, which gathers every rank's rewards):
-  1. encode the prompts; draw one initial noise per prompt (or per member: --no-same-noise) and per-prompt SDE
-     noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after
-     a resume;
-  2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions; or, for the
-     baselines (--method), whole trajectories (full SDE, or SDE inside a window with ODE elsewhere: --sampling);
+  1. encode the prompts; draw one initial noise per prompt (or per member, for the methods that want it) and
+     per-prompt SDE noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or
+     many and after a resume;
+  2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions;
   3. decode every final latent and score it with every reward model (rewards.py);
-  4. advantages per (reward, granularity, step), normalised in the group (or by the batch's std) and summed
-     (advantage.py);
-  5. the clipped policy update (g2rpo.py): G2RPO's members of a prompt share their start latent, so one forward per
-     prompt and trained step scores all G; the baselines' members each have their own, one forward per member.
-Around it (run.py): the output folder and its lock, checkpoints and resume, signals, faults, metrics, grids. The
-flags and their checks are flags.py; the models and how they are called, models.py and kernels.py.
+  4. advantages per (reward, granularity, step), normalised in the group and summed (advantage.py);
+  5. the clipped policy update (g2rpo.py): the members of a prompt share their start latent, so one forward per
+     prompt and trained step scores all G.
+The method (--method) answers steps 2, 4 and 5: `g2rpo.G2RPO`, or a peer of methods/ with the same interface.
+Around it (lab/run.py): the output folder and its lock, checkpoints and resume, signals, faults, metrics, grids.
+The flags and their checks are lab/flags.py; the models and how they are called, lab/models.py and lab/kernels.py.
 
 Run it:
     python train.py --model tiny                                      # CPU, minutes: the built-in tiny model
@@ -38,43 +37,43 @@ import torch.distributed as dist
 
 from lab import checkpoint
 import rewards
-from advantage import granular_advantages, step_credit
+from g2rpo import update_loss
 from lab.flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
-from g2rpo import g2rpo_update, random_step_mask, update_loss
 from lab.models import ADAPTERS, ModelLoadError, add_lora
-from lab.run import (EMA, GRID_IMAGES, Preempted, Run, all_gather, all_max, all_mean, all_sum, any_rank, backend, checked,
-                 eval_noise_generator)
-from sampler import ode_sample, rollout_full_sde, rollout_g2rpo, rollout_mixed, sigma_schedule, window_steps
+from lab.run import (EMA, GRID_IMAGES, Preempted, Ranks, Run, all_max, all_mean, any_rank, backend, checked,
+                     eval_noise_generator)
+from methods import METHODS, step_credit
+from sampler import ode_sample, sigma_schedule
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
-def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, first_update_check=None,
-              check_stop=lambda: None):
-    """One G2RPO iteration on this rank's prompts; returns its metrics (floats). `check_stop` runs before every
-    transformer call of the rollout and every reward batch of its scoring (run.Run.check_stop: a stop asked then
-    drops the iteration before it changes anything)."""
+def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
+              first_update_check=None, check_stop=lambda: None):
+    """One iteration of `method` (g2rpo.G2RPO, or one of methods/) on this rank's prompts; returns its metrics
+    (floats). `check_stop` runs before every transformer call of the rollout and every reward batch of its scoring
+    (lab.run.Run.check_stop: a stop asked then drops the iteration before it changes anything)."""
     t0 = time.time()
+    ranks = Ranks(world, distributed) if distributed else None
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
     global_batch = args.global_batch(world)
     batch, positions = batch_prompts(prompts, args.seed, it, global_batch, rank, global_batch // world)
     cond = policy.adapter.encode(batch)
     gens = generators(args.seed, it, positions)
     B, G = len(batch), args.group_size
-    if args.same_noise:
+    if method.same_noise:
         noise = policy.adapter.noise(gens, args.size)  # (B, ...)
-    else:  # each member its own initial noise, drawn in turn from its prompt's generator (Flow-GRPO)
-        noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.size)
-        noise = noise.unflatten(0, (B, G))  # (B, G, ...)
+    else:  # each member its own initial noise, drawn in turn from its prompt's generator
+        noise = policy.adapter.noise([gen for gen in gens for _ in range(G)], args.size).unflatten(0, (B, G))
 
     # 2. rollout with the current policy, no gradients; with --rollout-precision fp8 the forwards that only make
     # images (completions, the anchor's untrained steps) run on the FP8 copy, the trained steps on the policy
-    steps = trained_steps(args, it)
+    steps = method.trained_steps(it)
     image_only_fn = (checked(check_stop, make_velocity_fn(args, policy, policy.fp8.module, cond))
                      if policy.fp8 is not None else None)
-    rollout = sample_rollout(args, checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond)),
-                             noise, sigmas, gens, steps, image_only_fn)
+    velocity_fn = checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond))
+    rollout = method.rollout(velocity_fn, noise, sigmas, gens, steps, image_only_fn)
     t1 = time.time()
 
     # 3. rewards of every completion: (B, J, K, G, R), the rollout's order with the reward models last
@@ -85,43 +84,26 @@ def iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, dis
     metrics = reward_metrics(args, policy.adapter, reward_models, rollout, scores, batch)
     t2 = time.time()
 
-    # 4. advantages: normalised per (reward, granularity, step) within each group, summed, clamped
+    # 4. advantages: per trained step (or one per trajectory, broadcast to its steps), --step-credit's control
     weights = torch.tensor(list(reward_models.weights.values()))  # (R,)
-    if args.reward_fusion == "score":  # Flow-GRPO: the weighted sum of the raw scores is the one reward
-        scores, weights = (scores * weights).sum(-1, keepdim=True), torch.ones(1)  # (B, J, K, G, 1)
-    every_rank = all_gather(scores, distributed) if args.adv_std == "global" else None  # (world*B, J, K, G, R)
-    advantages = granular_advantages(scores, adv_clip_max=args.adv_clip_max, weights=weights,
-                                     all_rewards=every_rank)  # (B, K or 1, G)
+    advantages = method.advantages(scores, weights, ranks)  # (B, K or 1, G)
     advantages = step_credit(advantages.expand(B, len(steps), G), args.step_credit).to(noise.device)  # (B, K, G)
-    # the steps each member trains: all of them, or its own random share (DanceGRPO)
-    train_mask = (random_step_mask(gens, len(steps), G, args.timestep_fraction)
-                  if args.timestep_fraction < 1 and steps else None)  # (B, K, G)
 
     # 5. the clipped policy update, taken on every rank or on none
     finite_rewards = not any_rank(not bool(torch.isfinite(scores).all()), distributed)
     if finite_rewards and steps:  # (MixGRPO's empty window trains nothing)
         update_velocity = make_velocity_fn(args, policy, policy.model, cond)  # through DDP / FSDP2, with gradients
         if first_update_check is not None:
-            first_update_check.before(update_velocity, rollout, advantages)
-        stats = g2rpo_update(update_velocity, policy.params, policy.optimizer, rollout,
-                             advantages, sigmas, eta=args.eta, clip_range=args.clip_range,
-                             max_grad_norm=args.max_grad_norm, step_per_sde_step=args.step_per_sde_step,
-                             max_batch=args.max_batch, kl_beta=args.kl_beta,
-                             base_velocity_fn=base_velocity_fn(args, policy, cond),
-                             sde_type=args.sde_type, kl_form=args.kl_form, train_mask=train_mask,
-                             member_chunks=args.member_chunks, sync_rows=lambda n: all_max(n, distributed),
-                             all_sum=lambda n: all_sum(n, distributed), world=world,
-                             inner_epochs=args.inner_epochs)
+            first_update_check.before(update_velocity, rollout, advantages, method.step)
+        stats = method.update(update_velocity, policy.params, policy.optimizer, rollout, advantages, sigmas, gens,
+                              base_velocity_fn(args, policy, cond), ranks)
         if first_update_check is not None:
             first_update_check.after(stats)
         if policy.fp8 is not None and args.full and stats["optimizer_steps"]:
             policy.fp8.refresh()  # the full fine-tune's new weights, quantized for the next rollout
             stats["fp8_refresh_s"] = policy.fp8.refreshed_s
-    elif finite_rewards:
-        stats = {"optimizer_steps": 0, "skipped_steps": 0}
     else:
-        stats = {"optimizer_steps": 0, "skipped_steps": args.inner_epochs * (
-            len(steps) if args.step_per_sde_step else args.member_chunks)}
+        stats = {"optimizer_steps": 0, "skipped_steps": 0 if finite_rewards else method.optimizer_steps(len(steps))}
     if policy.ema is not None and stats["optimizer_steps"]:  # weights that did not move add nothing to average
         policy.ema.update(it + 1)
     t3 = time.time()
@@ -167,33 +149,12 @@ def score(args, adapter, reward_models, latents, prompts, check_stop=lambda: Non
     return torch.cat(scores)  # (M, R)
 
 
-def sample_rollout(args, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
-    """The rollout of --sampling: G2RPO's tree, or whole trajectories (full SDE, mixed window). image_only_fn: the
-    velocity of the forwards outside the trained steps (sampler.py), or None for `velocity_fn`."""
-    if args.sampling == "g2rpo":
-        return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps,
-                             granularities=args.granularities, eta=args.eta, max_batch=args.max_batch,
-                             sde_type=args.sde_type, image_only_fn=image_only_fn)
-    return (rollout_full_sde if args.sampling == "full" else rollout_mixed)(
-        velocity_fn, noise, sigmas, generators, group_size=args.group_size, sde_steps=steps, eta=args.eta,
-        max_batch=args.max_batch, sde_type=args.sde_type, member_noise=not args.same_noise, decode=args.decode,
-        image_only_fn=image_only_fn)
-
-
-def trained_steps(args, it):
-    """The SDE steps of iteration `it`: --sde-steps, or the mixed sampler's window."""
-    if args.sampling != "mixed":
-        return args.sde_steps
-    return window_steps(it, num_steps=args.num_steps, size=args.window_size, stride=args.window_stride,
-                        every=args.window_every, schedule=args.window_schedule, end=args.window_end, seed=args.seed)
-
-
 def reward_metrics(args, adapter, reward_models, rollout, scores, batch):
     """Mean raw reward per model (and per granularity), and the anchor's reward (logged, not trained on)."""
     metrics = {}
     for r, name in enumerate(reward_models.fns):
         metrics[f"train/reward/{name}"] = float(scores[..., r].mean())
-        for j, g in enumerate(args.granularities if args.sampling == "g2rpo" else []):
+        for j, g in enumerate(rollout.granularities):
             metrics[f"train/reward/{name}/g{g}"] = float(scores[:, j, ..., r].mean())
     if rollout.anchor_final is not None:
         anchor = score(args, adapter, reward_models, rollout.anchor_final, batch)  # (B, R)
@@ -273,6 +234,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
+    method = METHODS[args.method].from_flags(args)
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest (the
     # first its own number: a bench of many runs from one base evaluates that base once)
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
@@ -300,8 +262,8 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
     for it in bar:
         try:
-            metrics = iteration(args, it, policy, reward_models, prompts, sigmas, rank, world, distributed, check,
-                                run.check_stop)
+            metrics = iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
+                                check, run.check_stop)
         except Preempted:  # during the rollout or its scoring: the weights are still those of iteration `it`
             bar.close()
             if it > saved:
@@ -366,9 +328,9 @@ class FirstUpdateChecks:
     def __init__(self, args, policy, sigmas, log, distributed=False):
         self.args, self.policy, self.sigmas, self.log, self.distributed = args, policy, sigmas, log, distributed
 
-    def before(self, update_velocity, rollout, advantages):
+    def before(self, update_velocity, rollout, advantages, step_fn):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
-        loss_fn = update_loss(update_velocity, rollout, self.sigmas, self.args.eta, sde_type=self.args.sde_type)
+        loss_fn = update_loss(update_velocity, rollout, self.sigmas, step_fn)
         result = self.policy.adapter.kernels.check_gradient(loss_fn, self.policy.params)
         if not result.ok:
             raise SystemExit(f"error: gradient self-check failed: {result.message}")
@@ -552,7 +514,7 @@ def main(args) -> bool:
             if start >= args.num_iterations:
                 log(f"{resume_from} is already at iteration {start} of --num-iterations {args.num_iterations}: "
                     f"the run is complete; pass a larger --num-iterations to extend it")
-                return
+                return False
         policy = build_policy(args, device, dtype, distributed, log)
         reward_models = load_reward_models(args, device, dtype, reward_weights)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)

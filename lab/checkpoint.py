@@ -64,13 +64,22 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 # config fields that must match for a resume to continue the same run
-RESUME_KEYS = ["model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance", "max_sequence_length",
-               "eta", "resolution", "height", "width", "group_size", "num_steps", "shift", "sde_steps",
-               "granularities", "sampling", "rewards", "seed", "prompts_per_iteration", "window_size", "window_stride",
-               "window_every", "kl_beta", "ema_decay", "ema_every", "num_frames", "reward_frames",
-               # the baselines' axes (docs/baselines.md); a configuration written before them ran their defaults
-               "window_schedule", "window_end", "method", "sde_type", "decode", "timestep_fraction", "adv_std",
-               "same_noise", "kl_form", "reward_fusion"]
+# Configurations written before each method had a file of its own held the algorithm as axis flags, which every
+# method now fixes: the values each ran with. A checkpoint whose axes differ from its method's is refused on resume.
+LEGACY_AXES = {"sde_type": "flow", "decode": "sample", "adv_std": "group", "same_noise": True, "kl_form": "exact",
+               "reward_fusion": "advantage", "timestep_fraction": 1.0, "member_chunks": 1}
+LEGACY_METHODS = {
+    "g2rpo": dict(sampling="g2rpo"),
+    "full-sde": dict(sampling="full"),
+    "dancegrpo": dict(sampling="full", sde_type="dance", decode="x0", timestep_fraction=None, member_chunks=None,
+                      step_per_sde_step=False),
+    "flow-grpo": dict(sampling="full", adv_std="global", same_noise=False, kl_form="flow-grpo",
+                      reward_fusion="score", member_chunks=None, step_per_sde_step=False),
+    "flow-grpo-fast": dict(sampling="mixed", window_schedule="random", sde_type="cps", adv_std="global",
+                           same_noise=False, kl_form="flow-grpo", reward_fusion="score", member_chunks=None,
+                           step_per_sde_step=False),
+    "mixgrpo": dict(sampling="mixed", window_schedule="mixgrpo", member_chunks=None, step_per_sde_step=False),
+}  # None: a flag of that method now, compared as such
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32
@@ -354,15 +363,23 @@ def read_trainer_state(path):
     return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
 
 
-def incompatible(saved: dict, current: dict, defaults: dict):
-    """The first config field that differs between a checkpoint and this run, or None. `defaults`: the flags'
-    defaults, for the keys a configuration written before them lacks (it ran with those)."""
+def incompatible(saved: dict, current: dict, defaults: dict, keys):
+    """The first config field of `keys` that differs between a checkpoint and this run, or None. `defaults`: the
+    flags' defaults, for the keys a configuration written before them lacks (it ran with those)."""
     if saved.get("window_random"):  # the flag --window-schedule random replaced
         saved = {**saved, "window_schedule": "random"}
+    if "sampling" in saved:  # written before each method had a file: its axes must be those its method runs
+        method = "full-sde" if saved.get("method", "g2rpo") == "g2rpo" and saved["sampling"] == "full" else \
+            saved.get("method", "g2rpo")
+        axes = {**LEGACY_AXES, "step_per_sde_step": None, **LEGACY_METHODS.get(method, {})}
+        for key, value in axes.items():
+            if value is not None and key in saved and json.dumps(saved[key]) != json.dumps(value):
+                return key, saved[key], f"{value} (all that --method {method} runs now)"
+        saved = {**saved, "method": method}
     if saved.get("model_path") and os.path.isdir(saved["model_path"]) and os.path.isdir(current.get("model_path", "")) \
             and os.path.samefile(saved["model_path"], current["model_path"]):  # the same folder, spelled otherwise
         saved = {**saved, "model_path": current["model_path"]}
-    for key in RESUME_KEYS:
+    for key in keys:
         before = saved.get(key, defaults.get(key))
         if json.dumps(before) != json.dumps(current.get(key)):
             return key, before, current.get(key)

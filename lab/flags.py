@@ -1,11 +1,12 @@
 """The flags of a training run, defined once for every script that takes them (train.py, evaluate.py, tools/plan.py).
 
-`TrainArgs` holds every flag with its meaning, typical range, the paper's symbol and the reference value; each
-reward's model paths join them as flags of their own (rewards.REWARDS declares them). `--model` picks a preset of
-defaults (`PRESETS`), `--method` a recipe over it (`METHODS`: G2RPO or a peer as its authors run it), and every
-other flag overrides both. `check_flags` checks every flag before anything is loaded or
-written (each numeric flag has its range in `RULES`; a test checks that none is missing) and prints the notes that
-need no model; `warn_long_prompts` is the one warning that needs the tokenizer.
+`TrainArgs` holds every flag that every method shares, with its meaning, typical range, the paper's symbol and the
+reference value; the chosen method's own flags join them (its class in methods/ declares them, `args_class`), and
+so do each reward's model paths (rewards.REWARDS declares them). `--model` picks a preset of defaults (`PRESETS`),
+`--method` a recipe over it (the method's `recipe` and `flux`), and every other flag overrides both. `check_flags`
+checks every flag before anything is loaded or written (each numeric TrainArgs flag has its range in `RULES`, a
+method's own in its `problem`) and prints the notes that need no model; `warn_long_prompts` is the one warning that
+needs the tokenizer. `RESUME_FLAGS` are those a resumed run must share with its checkpoint.
 """
 import ast
 import dataclasses
@@ -26,7 +27,8 @@ import rewards
 from lab import fail
 from lab.kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
 from lab.models import ADAPTERS, RESOLUTION_MULTIPLE
-from sampler import KL_FORMS, SDE_TYPES, granular_schedule, sigma_schedule
+from methods import METHODS, STEP_CREDITS
+from sampler import sigma_schedule
 
 
 def read_prompts(path: str, what: str):
@@ -138,64 +140,24 @@ class TrainArgs:
     shift: float = 3.0
     """SD3 time shift of the sigma schedule (reference 3)."""
     eta: float = 0.7
-    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0)."""
+    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; DanceGRPO 0.3, Flow-GRPO 0.9,
+    Flow-GRPO-Fast 0.8, which each peer sets)."""
     group_size: int = 12
     """G, samples per prompt over which rewards are normalised (reference 12; >= 2)."""
     sde_steps: list[int] = field(default_factory=lambda: list(range(8)))
-    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half)."""
-    granularities: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """Lambda, ODE strides of the completions (paper {1, 2, 3}; released scripts {1, 2}); {1} ablates them."""
-    sampling: Literal["g2rpo", "full", "mixed"] = "g2rpo"
-    """g2rpo; full: G full SDE trajectories per prompt, one reward broadcast to the trained --sde-steps (DanceGRPO,
-    Flow-GRPO); mixed: SDE only inside a window of steps, ODE elsewhere, the window trained (MixGRPO,
-    Flow-GRPO-Fast; --sde-steps is then unused). --method sets it with the rest of a peer's recipe."""
-    window_size: int = 4
-    """mixed: SDE steps in the window (MixGRPO 4 of 25 steps; Flow-GRPO-Fast 3)."""
-    window_stride: int = 1
-    """mixed: steps the sliding window moves at each shift (MixGRPO 1, its overlapping progressive window)."""
-    window_every: int = 25
-    """mixed: iterations between two shifts of the sliding window (MixGRPO 25)."""
-    window_schedule: Literal["wrap", "mixgrpo", "random"] = "wrap"
-    """mixed: how the window moves. wrap: full-size windows sliding over steps 0..N-1 and wrapping round; mixgrpo:
-    MixGRPO's own, range(start, min(start + size, N - 2)), so it shrinks at the end, is empty once, never reaches the
-    last two steps, and rolls back to 0 (an empty window's iteration samples ODE only and takes no update); random:
-    drawn afresh every iteration within steps 0..--window-end - 1 (Flow-GRPO-Fast)."""
-    window_end: int = 0
-    """mixed, random window: it lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2); 0 = N."""
-    # --- the peers' algorithm axes (--method sets all of them; docs/baselines.md) ---
-    method: Literal["g2rpo", "dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"] = "g2rpo"
-    """A named recipe: G2RPO or a peer as its authors run it (flags.METHODS, docs/baselines.md). It sets every axis
-    of this block and --sampling, --eta, the trained steps and the window; with --model flux also the peer's
-    published sizes (G, N, resolution, lr, clip range, LoRA). Any flag given overrides it."""
-    sde_type: Literal[SDE_TYPES] = "flow"
-    """The SDE step. flow: std_dev = eta sqrt(sigma / (1 - sigma)) (Flow-GRPO, G2RPO, MixGRPO); dance: std_dev = eta,
-    a constant, so the noise std is eta sqrt(-dt) (DanceGRPO, eta 0.3); cps: Flow-GRPO's coefficients-preserving
-    step, noise std sigma' sin(eta pi / 2), log-prob without its 1 / (2 std^2) (Flow-GRPO-Fast, eta 0.8, clip 1e-5)."""
-    decode: Literal["sample", "x0"] = "sample"
-    """full / mixed: the latent a trajectory's image is decoded from: its final sample, or the x0_hat = x - sigma v
-    of its last step (DanceGRPO)."""
-    timestep_fraction: float = 1.0
-    """The share of --sde-steps each member trains: below 1, every member trains its own random int(fraction * |M|)
-    of them, drawn each iteration (DanceGRPO 0.6 of steps 0..N-2: 9 of 15); 1 = all, for every member."""
-    adv_std: Literal["group", "global"] = "group"
-    """The advantage's denominator: group, each group's unbiased std + 1e-8 (G2RPO, DanceGRPO, MixGRPO); global,
-    the population std of every reward of the iteration, gathered over ranks, + 1e-4 (Flow-GRPO's global_std)."""
-    same_noise: bool = True
-    """The G members of a prompt share the initial noise x_T (G2RPO, which needs it, DanceGRPO, MixGRPO); False:
-    each member draws its own (Flow-GRPO's same_latent=False)."""
-    kl_form: Literal[KL_FORMS] = "exact"
-    """The KL term's form: exact, the step's Gaussian KL |mean - mean_ref|^2 / (2 std_dev^2 (-dt)); flow-grpo, its
-    kl_loss |mean - mean_ref|^2 / (2 std_dev^2), which is the exact one times -dt (6-46x smaller at N 16)."""
-    reward_fusion: Literal["advantage", "score"] = "advantage"
-    """Several rewards: advantage, each normalised in its group, then the weighted sum (G2RPO, DanceGRPO,
-    MixGRPO); score, the weighted sum of the raw scores, normalised once (Flow-GRPO's multi_score)."""
-    step_credit: Literal["own", "mean", "rolled"] = "own"
+    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half). The
+    whole-trajectory methods train these steps of every trajectory (DanceGRPO, Flow-GRPO: 0..N-2); the windowed
+    ones (flow-grpo-fast, mixgrpo) train their window instead."""
+    # --- the method (each method's own flags join these under its --method: methods/) ---
+    method: Literal[tuple(METHODS)] = "g2rpo"
+    """The method: g2rpo; full-sde (G2RPO's rollout replaced by whole SDE trajectories: its ablation); a peer as its
+    authors run it: dancegrpo, flow-grpo, flow-grpo-fast, mixgrpo (methods/). A peer sets its algorithm's values on
+    every --model, and with --model flux also its published sizes (G, N, resolution, lr, clip range, LoRA); any flag
+    given overrides them. --method NAME --help lists that method's own flags."""
+    step_credit: Literal[STEP_CREDITS] = "own"
     """The advantage each trained step gets: own (the method: its own branch's); mean (every step of a member the
-    mean of its steps') and rolled (step k gets step k + 1's) destroy the step credit: the bench's controls."""
-    member_chunks: int = 1
-    """With --no-step-per-sde-step: the members of each group split into this many chunks, one optimizer step
-    each on the gradient accumulated over its members and trained steps (DanceGRPO 3, Flow-GRPO 2, MixGRPO 4;
-    1 = one step an iteration)."""
+    mean of its steps') and rolled (step k gets step k + 1's) destroy the step credit: the bench's controls. For the
+    methods whose steps have their own advantages (g2rpo)."""
     prompts_per_iteration: int = 0
     """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
     max_batch: int = 24
@@ -218,9 +180,6 @@ class TrainArgs:
     """Advantages are clamped to +- this (reference 5)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip (reference 1.0)."""
-    step_per_sde_step: bool = True
-    """One optimizer step per trained step k (the G2RPO reference scripts); False: the gradients of every trained
-    step accumulate into --member-chunks steps an iteration (1: the paper's objective averaged over k)."""
     inner_epochs: int = 1
     """Passes of the update over each rollout (PPO's epochs, Flow-GRPO's num_inner_epochs; 1 in the reference and
     its peers' scripts). A pass after the first scores the rollout under the policy the last one left: its ratios
@@ -309,8 +268,40 @@ def reward_path_fields(defaults=None) -> list:
             for name, default, help_ in rewards.path_fields()]
 
 
-# every reward's model paths become flags of their own, declared once in rewards.REWARDS
-Args = dataclasses.make_dataclass("Args", reward_path_fields(), bases=(TrainArgs,))
+# the flags a resumed run must share with its checkpoint (the model, the data and the algorithm), to which every
+# method's own flags are added (`resume_keys`); the rest may change on --resume, applied from then on
+RESUME_FLAGS = ("model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
+                "max_sequence_length", "eta", "resolution", "height", "width", "group_size", "num_steps", "shift",
+                "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay", "ema_every",
+                "num_frames", "reward_frames", "method", "step_credit")
+
+
+def resume_keys(method: str) -> list[str]:
+    """The flags a resumed run of `method` must share with its checkpoint."""
+    return [*RESUME_FLAGS, *own_flags(method)]
+
+
+def method_fields(method: str) -> list:
+    """Dataclass fields, one flag per field of the method's class that is not a TrainArgs flag: its own flags, with
+    their defaults and the docstrings under them as help."""
+    cls, common = METHODS[method], {f.name for f in dataclasses.fields(TrainArgs)}
+    hints, helps = typing.get_type_hints(cls), _field_docstrings(cls)
+    return [(f.name, Annotated[hints[f.name], tyro.conf.arg(help=helps.get(f.name, ""))],
+             field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
+             else field(default=f.default))
+            for f in dataclasses.fields(cls) if f.name not in common]
+
+
+def args_class(method: str, base=None):
+    """The flags of a run of `method`: TrainArgs (or `base`, a dataclass derived from it, for a script that takes
+    these flags and more: tools/plan.py), the method's own flags, and every reward's model paths, declared once in
+    rewards.REWARDS."""
+    return dataclasses.make_dataclass("Args", method_fields(method) + reward_path_fields(), bases=(base or TrainArgs,))
+
+
+def own_flags(method: str) -> list[str]:
+    """The names of a method's own flags."""
+    return [name for name, _, _ in method_fields(method)]
 
 PRESETS = {
     "flux": {},
@@ -357,68 +348,24 @@ PRESETS = {
                  eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
                  gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
-                 window_size=2, window_every=4),  # a window for its 8 steps (--sampling mixed)
-}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# --method: G2RPO and its peers as their authors run them (docs/baselines.md gives each value's source file)
-# ---------------------------------------------------------------------------------------------------------------
-# The algorithm: what every recipe sets, on every --model; G2RPO's values are the flags' defaults above
-ALGORITHM_FLAGS = ("sampling", "sde_type", "eta", "decode", "timestep_fraction", "adv_std", "same_noise", "kl_form",
-                   "reward_fusion", "step_per_sde_step", "member_chunks", "window_schedule")
-G2RPO_ALGORITHM = {name: getattr(TrainArgs, name) for name in ALGORITHM_FLAGS}
-
-
-def all_but_last(num_steps: int) -> list:
-    """Steps 0..N-2: DanceGRPO and Flow-GRPO never train the step into sigma = 0."""
-    return list(range(num_steps - 1))
-
-
-@dataclass(frozen=True)
-class Recipe:
-    algorithm: dict  # set on every --model
-    scale: dict  # the peer's published FLUX.1 run: set with --model flux only (other presets keep their sizes)
-    per_steps: dict = field(default_factory=dict)  # values that follow N, computed from the run's --num-steps
-
-
-METHODS = {
-    "g2rpo": Recipe(G2RPO_ALGORITHM, {}),
-    # DanceGRPO, scripts/finetune/finetune_flux_grpo.sh and fastvideo/train_grpo_flux.py
-    "dancegrpo": Recipe(
-        {**G2RPO_ALGORITHM, "sampling": "full", "sde_type": "dance", "eta": 0.3, "decode": "x0",
-         "timestep_fraction": 0.6, "step_per_sde_step": False, "member_chunks": 3},
-        dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-             lora_rank=0), per_steps=dict(sde_steps=all_but_last)),
-    # Flow-GRPO, config/grpo.py pickscore_flux and scripts/train_flux.py
-    "flow-grpo": Recipe(
-        {**G2RPO_ALGORITHM, "sampling": "full", "eta": 0.9, "adv_std": "global", "same_noise": False,
-         "kl_form": "flow-grpo", "reward_fusion": "score", "step_per_sde_step": False, "member_chunks": 2},
-        dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, clip_range=1e-4, kl_beta=0.0,
-             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True), per_steps=dict(sde_steps=all_but_last)),
-    # Flow-GRPO-Fast, config/grpo.py geneval_flux_fast (cps, the SDE window of 3 inside steps 0..N//2 - 1)
-    "flow-grpo-fast": Recipe(
-        {**G2RPO_ALGORITHM, "sampling": "mixed", "sde_type": "cps", "eta": 0.8, "window_schedule": "random",
-         "adv_std": "global", "same_noise": False, "kl_form": "flow-grpo", "reward_fusion": "score",
-         "step_per_sde_step": False, "member_chunks": 2},
-        dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, clip_range=1e-5, kl_beta=0.0,
-             lora_rank=64, lora_alpha=128.0, lora_feed_forward=True, window_size=3),
-        per_steps=dict(window_end=lambda n: n // 2)),
-    # MixGRPO, scripts/finetune/finetune_flux_grpo_MixGRPO.sh (progressive window, overlap step 1, roll back)
-    "mixgrpo": Recipe(
-        {**G2RPO_ALGORITHM, "sampling": "mixed", "window_schedule": "mixgrpo", "window_stride": 1,
-         "step_per_sde_step": False, "member_chunks": 4},
-        dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-             lora_rank=0, window_size=4, window_every=25)),
+                 window_size=2, window_every=4),  # a window for its 8 steps (flow-grpo-fast, mixgrpo)
 }
 
 
 def recipe_values(method: str, model: str, num_steps: int) -> dict:
-    """Every value --method sets under --model, for a run of `num_steps` steps."""
-    recipe = METHODS[method]
-    values = {**recipe.algorithm, **(recipe.scale if model == "flux" else {})}
-    values.update({name: rule(num_steps) for name, rule in recipe.per_steps.items()})
+    """Every value --method sets under --model, for a run of `num_steps` steps: the method's recipe (on every
+    --model), its published sizes (--model flux), and the values that follow N."""
+    cls = METHODS[method]
+    values = {**cls.recipe, **(cls.flux if model == "flux" else {})}
+    values.update({name: rule(num_steps) for name, rule in cls.per_steps.items()})
     return values
+
+
+def method_defaults(model: str, method: str) -> dict:
+    """The defaults under --model and --method: the recipe over the preset, each where the method has that flag."""
+    names = {f.name for f in dataclasses.fields(TrainArgs)} | set(own_flags(method))
+    values = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method))}
+    return {name: value for name, value in values.items() if name in names}
 
 
 def _given(argv, name: str) -> bool:
@@ -436,9 +383,9 @@ def _choice(argv, name: str, default: str) -> str:
     return default
 
 
-def parse_args(argv=None, args_class=None):
+def parse_args(argv=None, base=None):
     """`--model` picks a preset of defaults and `--method` a recipe over it; every other flag overrides both (and
-    --help shows the resulting values). `args_class`: a dataclass derived from Args, for a script that takes these
+    --help shows the resulting values). `base`: a dataclass derived from TrainArgs, for a script that takes these
     flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
     model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
@@ -446,9 +393,8 @@ def parse_args(argv=None, args_class=None):
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
     if method not in METHODS:
         fail(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
-    cls = args_class or Args
-    defaults = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method))}
-    args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **defaults),
+    cls = args_class(method, base)
+    args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method)),
                     description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
     # the recipe's values that follow N, for the N this run has (a --num-steps given), unless given themselves
     for name, rule in METHODS[method].per_steps.items():
@@ -464,15 +410,14 @@ def parse_args(argv=None, args_class=None):
 
 
 def _preset_steps(model: str, method: str) -> int:
-    return {**PRESETS[model], **(METHODS[method].scale if model == "flux" else {})}.get(
+    return {**PRESETS[model], **(METHODS[method].flux if model == "flux" else {})}.get(
         "num_steps", TrainArgs.num_steps)
 
 
 def preset(model: str, method: str = "g2rpo") -> dict:
     """Every flag's value under `--model model --method method` and no other flag: the recipe over the preset over
     the defaults."""
-    values = recipe_values(method, model, _preset_steps(model, method))
-    return dataclasses.asdict(Args(model=model, method=method, **{**PRESETS[model], **values}))
+    return dataclasses.asdict(args_class(method)(model=model, method=method, **method_defaults(model, method)))
 
 
 def changed_from_preset(args) -> list[str]:
@@ -510,10 +455,8 @@ RULES = {
     "lr": at_least(0, " (typ. 2e-6 full, 1e-4 LoRA; 0 learns nothing: the bench's control)"),
     "weight_decay": at_least(0),
     "clip_range": above(0, " (reference 1e-4)"), "adv_clip_max": above(0, " (reference 5)"),
-    "max_grad_norm": above(0, " (reference 1)"), "window_size": at_least(1), "window_stride": at_least(1),
-    "window_every": at_least(1), "window_end": at_least(0, " (0 = N)"), "kl_beta": at_least(0, " (0 = no KL term)"),
-    "timestep_fraction": ((lambda v: 0 < v <= 1), "in (0, 1] (DanceGRPO 0.6; 1 = every step)"),
-    "member_chunks": at_least(1, " (1 = one optimizer step an iteration)"), "inner_epochs": at_least(1),
+    "max_grad_norm": above(0, " (reference 1)"), "kl_beta": at_least(0, " (0 = no KL term)"),
+    "inner_epochs": at_least(1),
     "ema_decay": ((lambda v: 0 <= v < 1), "in [0, 1) (0 = no EMA)"), "ema_every": at_least(1),
     "max_faults": at_least(1), "eval_every": at_least(1), "eval_seeds": at_least(1),
     "final_eval_seeds": at_least(0, " (0 = --eval-seeds)"),
@@ -530,12 +473,13 @@ def flag(name: str) -> str:
 
 def flag_help(name: str) -> str:
     """A TrainArgs flag's help text: the docstring under its field, the text tyro shows in train.py --help."""
-    return _flag_helps()[name]
+    return _field_docstrings(TrainArgs)[name]
 
 
 @functools.cache
-def _flag_helps() -> dict:
-    body = ast.parse(textwrap.dedent(inspect.getsource(TrainArgs))).body[0].body
+def _field_docstrings(cls) -> dict:
+    """The docstring under each field of a dataclass's source, one line each."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
@@ -621,7 +565,8 @@ def check_flags(args, world: int, log=print):
     for f in dataclasses.fields(TrainArgs):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
             fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
-    if args.sampling != "mixed":  # mixed trains its window instead, and --sde-steps is unused
+    method = METHODS[args.method].from_flags(args)
+    if "sde_steps" in method.__dataclass_fields__:  # (the windowed methods train their window instead)
         if not args.sde_steps:
             fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
         if len(set(args.sde_steps)) != len(args.sde_steps):
@@ -630,11 +575,12 @@ def check_flags(args, world: int, log=print):
         if bad:
             fail(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
                  f"use steps in 0..{args.num_steps - 1}")
-    if not args.granularities or min(args.granularities) < 1 or len(set(args.granularities)) != len(args.granularities):
-        fail(f"--granularities {args.granularities}: give distinct strides >= 1, e.g. --granularities 1 2 3")
-    if args.window_size > args.num_steps:
-        fail(f"--window-size {args.window_size} is longer than the schedule of --num-steps {args.num_steps}")
-    _check_axes(args)
+    problem = method.problem(args.num_steps)
+    if problem:
+        fail(f"--method {args.method}: {problem}")
+    if args.step_credit != "own" and not method.per_step_advantages:
+        fail(f"--step-credit {args.step_credit} moves advantages between steps, and --method {args.method} gives a "
+             f"whole trajectory one advantage for all of them; it is a control for --method g2rpo")
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
         fail(problem)
@@ -671,56 +617,9 @@ def check_flags(args, world: int, log=print):
         weights = rewards.parse_rewards(args.rewards)
     except rewards.RewardError as err:
         fail(str(err))
-    _note_coinciding_granularities(args, log)
+    for line in method.notes(sigma_schedule(args.num_steps, args.shift)) if hasattr(method, "notes") else []:
+        log(line)
     return weights
-
-
-def _check_axes(args):
-    """The baselines' axes: combinations that cannot run, or would silently do nothing."""
-    whole = "whole trajectories (--sampling full or mixed)"
-    if not args.same_noise and args.sampling == "g2rpo":
-        fail("--no-same-noise: G2RPO's members branch off one anchor trajectory, so they share x_T; "
-             f"per-member noise is for {whole}")
-    if args.decode == "x0" and args.sampling == "g2rpo":
-        fail(f"--decode x0: G2RPO's completions end with an ODE step, whose sample is its x0_hat; "
-             f"--decode is for {whole}")
-    trained = len(args.sde_steps) if args.sampling != "mixed" else 1  # a window may shrink to 1 step (mixgrpo)
-    if int(args.timestep_fraction * trained) < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} of {trained} trained steps trains none; use at least "
-             f"{1 / trained:.3g}" + (" (a window can be 1 step; 1 = every step)" if args.sampling == "mixed" else ""))
-    if args.step_credit != "own" and args.sampling != "g2rpo":
-        fail(f"--step-credit {args.step_credit} moves advantages between steps, and a whole trajectory has one for "
-             f"all of them; it is a control for --sampling g2rpo")
-    if args.member_chunks > 1 and args.step_per_sde_step:
-        fail(f"--member-chunks {args.member_chunks} splits the accumulated gradient, which --step-per-sde-step does "
-             f"not accumulate; add --no-step-per-sde-step")
-    if args.member_chunks > args.group_size:
-        fail(f"--member-chunks {args.member_chunks} is more than the --group-size {args.group_size} members")
-    if args.sde_type == "cps" and args.eta > 1:
-        fail(f"--eta {args.eta} with --sde-type cps: its noise std is sigma' sin(eta pi / 2), so eta lies in (0, 1] "
-             f"(Flow-GRPO-Fast 0.8)")
-    if args.sampling == "mixed" and args.window_schedule == "random" and \
-            not args.window_size <= (args.window_end or args.num_steps) <= args.num_steps:
-        fail(f"--window-end {args.window_end}: a random window of --window-size {args.window_size} needs "
-             f"{args.window_size} <= window end <= --num-steps {args.num_steps} (0 = N)")
-    if args.sampling == "mixed" and args.window_schedule == "mixgrpo" and args.num_steps < 3:
-        fail(f"--window-schedule mixgrpo keeps its window inside steps 0..N-3, which --num-steps {args.num_steps} "
-             f"does not have; use --num-steps 3 or more")
-
-
-def _note_coinciding_granularities(args, log):
-    """Granularities whose schedules coincide at a step give the same completion, so its reward counts several
-    times in the advantage (as in the reference code); say so rather than let it pass silently."""
-    if args.sampling != "g2rpo":
-        return
-    sigmas = sigma_schedule(args.num_steps, args.shift)
-    for k in args.sde_steps:
-        seen = {}
-        for g in args.granularities:
-            seen.setdefault(tuple(granular_schedule(sigmas, k, g).tolist()), []).append(g)
-        for same in (gs for gs in seen.values() if len(gs) > 1):
-            log(f"note: at SDE step {k} the granularities {same} give the same completion; its reward counts "
-                f"{len(same)} times in the advantage (as in the reference code)")
 
 
 def warn_long_prompts(args, pipe, prompts, log=print):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lab import checkpoint
-from lab import fail
+from lab import fail, flags
 
 GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps as many of its first evaluation batch (on the CPU)
 
@@ -46,8 +46,7 @@ def backend() -> str:
 
 
 def all_mean(values: dict, distributed: bool) -> dict:
-    """Mean of logged scalars over ranks (outside the update, only these, the rewards for a global advantage std and
-    the update's call counts are ever communicated)."""
+    """Mean of logged scalars over ranks."""
     if not distributed:
         return values
     keys = sorted(values)
@@ -84,6 +83,23 @@ def all_max(n, distributed: bool):
     """The largest of every rank's n: the busiest rank's forward calls, which every rank then makes; the worst
     first-step ratio error, on which every rank then decides."""
     return _all_reduce_count(n, distributed, dist.ReduceOp.MAX)
+
+
+class Ranks:
+    """The run's ranks as a method sees them (methods/__init__.py): the count, and the three collectives an update
+    or an advantage may need."""
+
+    def __init__(self, world: int, distributed: bool):
+        self.world, self.distributed = world, distributed
+
+    def sum(self, n: int) -> int:
+        return all_sum(n, self.distributed)
+
+    def max(self, n):
+        return all_max(n, self.distributed)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_gather(tensor, self.distributed)
 
 
 def any_rank(flag: bool, distributed: bool) -> bool:
@@ -196,7 +212,8 @@ class Run:
         if resume_from:
             defaults = {f.name: f.default for f in dataclasses.fields(self.args)
                         if f.default is not dataclasses.MISSING}
-            diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config, defaults)
+            diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config, defaults,
+                                           flags.resume_keys(args.method))
             if diff:
                 fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
                      f"{diff[2]} here); resume with the same settings or use a new --output-dir")
@@ -236,13 +253,14 @@ class Run:
                 or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
     def resumed_flags(self, saved: dict, current: dict, optimizer):
-        """On resume, every flag is applied, refused or reported: the configuration's keys (RESUME_KEYS) were
+        """On resume, every flag is applied, refused or reported: the configuration's keys (flags.resume_keys) were
         refused if they differ; the optimizer's learning rate and weight decay, which the loaded optimizer state
         brings back, are set to this run's; every other flag applies from now on, and those that changed are said."""
         for group in optimizer.param_groups:
             group["lr"], group["weight_decay"] = self.args.lr, self.args.weight_decay
-        changed = [f"--{k.replace('_', '-')} {saved[k]} -> {current[k]}" for k in sorted(current)
-                   if k in saved and k not in checkpoint.RESUME_KEYS and k not in ("resume", "overwrite")
+        keys = flags.resume_keys(self.args.method)
+        changed = [f"{flags.flag(k)} {saved[k]} -> {current[k]}" for k in sorted(current)
+                   if k in saved and k not in keys and k not in ("resume", "overwrite")
                    and json.dumps(saved[k]) != json.dumps(current[k])]
         if changed:
             self.log(f"note: resuming with flags changed since the checkpoint, applied from now on: {'; '.join(changed)}")

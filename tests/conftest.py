@@ -235,12 +235,13 @@ def tiny_cache(tmp_path_factory):
     return cache
 
 
-# a short rollout for the end-to-end runs on the random tiny pipelines
-QUICK = ["--resolution", "32", "--num-steps", "4", "--group-size", "3", "--sde-steps", "0", "1",
-         "--granularities", "1", "2", "--prompts-per-iteration", "2", "--rewards", "shapes=1.0",
-         "--prompt-file", os.path.join(ROOT, "prompts", "tiny_train.txt"),
-         "--eval-prompt-file", os.path.join(ROOT, "prompts", "tiny_eval.txt"), "--eval-seeds", "1",
-         "--max-sequence-length", "16", "--mixed-precision", "no", "--no-gradient-checkpointing"]
+# a short rollout for the end-to-end runs on the random tiny pipelines, of every method (QUICK_ANY) and of G2RPO
+QUICK_ANY = ["--resolution", "32", "--num-steps", "4", "--group-size", "3", "--sde-steps", "0", "1",
+             "--prompts-per-iteration", "2", "--rewards", "shapes=1.0",
+             "--prompt-file", os.path.join(ROOT, "prompts", "tiny_train.txt"),
+             "--eval-prompt-file", os.path.join(ROOT, "prompts", "tiny_eval.txt"), "--eval-seeds", "1",
+             "--max-sequence-length", "16", "--mixed-precision", "no", "--no-gradient-checkpointing"]
+QUICK = [*QUICK_ANY, "--granularities", "1", "2"]
 
 
 class Result:

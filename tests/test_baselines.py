@@ -1,6 +1,6 @@
-"""The baselines as their authors run them: each axis of --method against the peer's formula, restated here from
-its published equations and numbers (never its code), the recipes' resolved values, and every recipe training end
-to end on the tiny model across a resume.
+"""The peers as their authors run them (methods/): each one's formulas against the peer's equations, restated here
+from its published equations and numbers (never its code), the whole-trajectory rollout, the recipes' resolved
+values, and every recipe training end to end on the tiny model across a resume.
 
 Run: python -m pytest -q tests/test_baselines.py
 """
@@ -12,12 +12,31 @@ import statistics
 import pytest
 import torch
 
-from lab import flags
-from advantage import granular_advantages
 from conftest import run_train
-from g2rpo import g2rpo_update, random_step_mask
-from sampler import Rollout, rollout_full_sde, sde_kl, sde_step, sigma_schedule, window_steps
+from lab import flags
+from methods import METHODS
+from methods.dancegrpo import DanceGRPO, random_step_mask
+from methods.flow_grpo import FlowGRPO, FlowGRPOFast, global_std_advantages, random_window
+from methods.mixgrpo import progressive_window
+from methods.trajectories import rollout_trajectories
+from sampler import Rollout, sde_kl, sde_std_dev, sde_step, sigma_schedule
 from test_train import read_metrics, transformer_weights
+
+COMMON = dict(group_size=4, eta=0.7, clip_range=1e-4, adv_clip_max=5.0, max_grad_norm=1.0, max_batch=64,
+              inner_epochs=1, kl_beta=0.0)  # the run's flags a method reads, at test values
+
+
+def make(cls, **values):
+    """A method of class `cls` with the common test values, the fields it has, and `values`."""
+    fields = {**COMMON, "sde_steps": [0], "num_steps": 8, "seed": 0, **values}
+    return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+
+
+def trajectories(noise, sigmas, gens, *, sde_steps, eta=0.7, ode_elsewhere=False, **options):
+    """G2RPO's SDE step on whole trajectories (MixGRPO's and the full-SDE ablation's)."""
+    step = lambda x, v, sigmas, i, noise=None, next_latents=None: sde_step(x, v, sigmas, i, eta, noise, next_latents)
+    return rollout_trajectories(options.pop("net"), noise, sigmas, gens, group_size=3, sde_steps=sde_steps,
+                                step_fn=step, max_batch=64, ode_elsewhere=ode_elsewhere, **options)
 
 
 def test_dancegrpo_step_noise_is_eta_sqrt_minus_dt_and_its_mean_its_score_form():
@@ -29,13 +48,13 @@ def test_dancegrpo_step_noise_is_eta_sqrt_minus_dt_and_its_mean_its_score_form()
     for i in range(16):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
         dt = s_next - s
-        shifted, _ = sde_step(torch.zeros(1, 8), torch.zeros(1, 8), sigmas, i, eta, noise=torch.ones(1, 8),
-                              sde_type="dance")
+        dance = make(DanceGRPO, eta=eta)
+        shifted, _ = dance.step(torch.zeros(1, 8), torch.zeros(1, 8), sigmas, i, noise=torch.ones(1, 8))
         assert abs(float(shifted[0, 0]) - eta * math.sqrt(s - s_next)) < 1e-6, i  # every step, the last included
         x0_hat = x - s * v
         score = -(x - (1 - s) * x0_hat) / s**2
         mean = x + dt * v - dt * eta**2 / 2 * score
-        x_next, log_prob = sde_step(x, v, sigmas, i, eta, sde_type="dance")
+        x_next, log_prob = dance.step(x, v, sigmas, i)
         expected = torch.distributions.Normal(mean, eta * math.sqrt(-dt)).log_prob(x_next).mean(1)
         torch.testing.assert_close(log_prob, expected, atol=1e-5, rtol=1e-5)
 
@@ -51,7 +70,7 @@ def test_cps_step_preserves_the_noise_level_of_a_straight_flow():
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
         x = (1 - s) * x0 + s * eps
         z = torch.randn_like(x)
-        x_next, log_prob = sde_step(x, eps - x0, sigmas, i, eta, noise=z, sde_type="cps")
+        x_next, log_prob = make(FlowGRPOFast, eta=eta).step(x, eps - x0, sigmas, i, noise=z)
         std = s_next * math.sin(eta * math.pi / 2)
         expected = (1 - s_next) * x0 + math.sqrt(s_next**2 - std**2) * eps + std * z
         torch.testing.assert_close(x_next, expected, atol=1e-5, rtol=1e-5)
@@ -69,8 +88,8 @@ def test_the_two_kl_forms_differ_by_minus_dt():
     v, v_ref = torch.randn(3, 40), torch.randn(3, 40)
     for i in range(16):
         s, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
-        exact = sde_kl(v, v_ref, sigmas, i, eta, kl_form="exact")
-        flow = sde_kl(v, v_ref, sigmas, i, eta, kl_form="flow-grpo")
+        exact = sde_kl(v, v_ref, sigmas, i, sde_std_dev(sigmas, i, eta))
+        flow = make(FlowGRPO, eta=eta).kl(v, v_ref, sigmas, i)
         torch.testing.assert_close(flow / exact, torch.full((3,), -dt), rtol=1e-5, atol=0)
         # Flow-GRPO's kl_loss: mean |mean - mean_ref|^2 / (2 std_dev^2), std_dev = eta sqrt(sigma / (1 - sigma))
         std_dev = eta * math.sqrt(s / (1 - (s if s < 1 else float(sigmas[1]))))
@@ -88,55 +107,85 @@ def test_flow_grpo_global_std_on_a_hand_made_batch():
     std = statistics.pstdev([r for group in rewards for r in group])
     expected = [[(r - statistics.mean(group)) / (std + 1e-4) for r in group] for group in rewards]
     scores = torch.tensor(rewards).view(2, 1, 1, 3, 1)  # (B, J, K, G, R)
-    got = granular_advantages(scores, adv_clip_max=5.0, all_rewards=scores)
+    got = global_std_advantages(scores, torch.ones(1), adv_clip_max=5.0)
     torch.testing.assert_close(got, torch.tensor(expected).view(2, 1, 3), atol=1e-6, rtol=1e-6)
-    # on two ranks each holds one prompt and the std comes from both
-    mine = granular_advantages(scores[1:], adv_clip_max=5.0, all_rewards=scores)
+
+    class TwoRanks:  # this rank holds the second prompt, the other rank the first
+        world = 2
+        gather = staticmethod(lambda t: torch.cat([scores[:1], t]))
+    mine = global_std_advantages(scores[1:], torch.ones(1), adv_clip_max=5.0, ranks=TwoRanks())
     torch.testing.assert_close(mine[0], got[1])
+    # several rewards are summed raw first (multi_score): weights 1 and 2 on two copies = 3 times the one reward
+    twice = global_std_advantages(torch.cat([scores, scores], -1), torch.tensor([1.0, 2.0]), adv_clip_max=5.0)
+    torch.testing.assert_close(twice, got, atol=1e-4, rtol=1e-4)
 
 
 def test_mixgrpo_window_sequences():
     # MixGRPO's progressive window: range(start, min(start + size, N - 2)), start + 1 every `every` iterations,
     # back to 0 once past N - 2
-    def windows(N, size, every, iterations, schedule):
-        return [window_steps(it, num_steps=N, size=size, stride=1, every=every, schedule=schedule)
-                for it in range(iterations)]
+    def windows(N, size, every, iterations):
+        return [progressive_window(it, num_steps=N, size=size, stride=1, every=every) for it in range(iterations)]
 
     # the reference setting's 25 iterations a window over N 16: full windows, then two that shrink at the end
-    mix = windows(16, 4, 25, 301, "mixgrpo")
+    mix = windows(16, 4, 25, 301)
     assert mix[0] == [0, 1, 2, 3] and mix[274] == [10, 11, 12, 13]
     assert mix[275:300] == [[11, 12, 13]] * 25 and mix[300] == [12, 13]
-    wrap = windows(16, 4, 25, 301, "wrap")
-    assert wrap[300] == [12, 13, 14, 15] and sum(a != b for a, b in zip(mix, wrap)) == 26
     # bench part 3's setting, N 8, window 2, every 4, 80 iterations: a cycle of 28 iterations
-    mix = windows(8, 2, 4, 80, "mixgrpo")
+    mix = windows(8, 2, 4, 80)
     cycle = [[0, 1]] * 4 + [[1, 2]] * 4 + [[2, 3]] * 4 + [[3, 4]] * 4 + [[4, 5]] * 4 + [[5]] * 4 + [[]] * 4
     assert mix == (cycle * 3)[:80]  # it shrinks, is empty once, rolls back
     assert not any(k in (6, 7) for w in mix for k in w)  # never the last two steps
-    assert sum(a != b for a, b in zip(mix, windows(8, 2, 4, 80, "wrap"))) == 20
-    # Flow-GRPO-Fast's random window: within 0..end - 1
-    drawn = [window_steps(it, num_steps=8, size=3, stride=1, every=1, schedule="random", end=4, seed=0)
-             for it in range(40)]
+    # Flow-GRPO-Fast's random window: within 0..end - 1, the same for the same (seed, iteration)
+    drawn = [random_window(it, num_steps=8, size=3, end=4, seed=0) for it in range(40)]
     assert {w[0] for w in drawn} == {0, 1} and all(w == list(range(w[0], w[0] + 3)) for w in drawn)
+    assert drawn == [random_window(it, num_steps=8, size=3, end=4, seed=0) for it in range(40)]
+    wide = [random_window(it, num_steps=8, size=2, end=0, seed=3) for it in range(30)]
+    assert all(0 <= w[0] <= 6 for w in wide) and len({w[0] for w in wide}) > 3
+
+
+def test_full_sde_rollout_shapes():
+    torch.manual_seed(0)
+    net = lambda x, s, i: 0.5 * x + 0.1 * i[:, None]
+    out = trajectories(torch.randn(2, 6), sigma_schedule(8, 3.0), [torch.Generator().manual_seed(b) for b in range(2)],
+                       sde_steps=[0, 4], net=net)
+    assert out.start_latents.shape == (2, 2, 3, 6) and out.final_latents.shape == (2, 1, 1, 3, 6)
+    assert out.nfe == 8 * 6 and out.calls == 8
+    torch.testing.assert_close(out.start_latents[:, 0], torch.zeros(2, 3, 6) + out.start_latents[:, 0, :1])  # x_T
+
+
+@pytest.mark.parametrize("window", [[0, 1], [3, 4, 5], [7]])
+def test_mixed_rollout_sde_only_in_the_window(window):
+    torch.manual_seed(0)
+    net, B, G, N = (lambda x, s, i: 0.5 * x + 0.1 * i[:, None]), 2, 3, 8
+    gens = lambda: [torch.Generator().manual_seed(b) for b in range(B)]
+    out = trajectories(torch.randn(B, 6), sigma_schedule(N, 3.0), gens(), sde_steps=window, ode_elsewhere=True,
+                       net=net)
+    first = window[0]
+    assert out.nfe == B * (first + G * (N - first))  # members are one latent until the window
+    assert out.start_latents.shape == (B, len(window), G, 6) and out.final_latents.shape == (B, 1, 1, G, 6)
+    assert torch.equal(out.start_latents[:, 0, 0], out.start_latents[:, 0, 1])  # the window opens on the ODE latent
+    assert not torch.allclose(out.final_latents[:, 0, 0, 0], out.final_latents[:, 0, 0, 1])
+    # whole SDE trajectories pay every step for every member
+    assert trajectories(torch.randn(B, 6), sigma_schedule(N, 3.0), gens(), sde_steps=window, net=net).nfe == B * G * N
 
 
 def test_an_empty_window_samples_ode_only():
     net = lambda x, s, i: 0.5 * x
-    out = rollout_full_sde(net, torch.randn(2, 6), sigma_schedule(4, 3.0),
-                           [torch.Generator().manual_seed(b) for b in range(2)], group_size=3, sde_steps=[], eta=0.7)
-    assert out.latents.shape == (2, 0, 3, 6) and out.final_latents.shape == (2, 1, 1, 3, 6)
+    out = trajectories(torch.randn(2, 6), sigma_schedule(4, 3.0), [torch.Generator().manual_seed(b) for b in range(2)],
+                       sde_steps=[], ode_elsewhere=True, net=net)
+    assert out.start_latents.shape == (2, 0, 3, 6) and out.final_latents.shape == (2, 1, 1, 3, 6)
 
 
 def test_per_member_noise_and_x0_decoding():
     sigmas, gens = sigma_schedule(4, 3.0), lambda: [torch.Generator().manual_seed(b) for b in range(2)]
     net = lambda x, s, i: 0.5 * x + 0.1
     noise = torch.randn(2, 3, 6)  # (B, G, ...): one initial noise per member
-    out = rollout_full_sde(net, noise, sigmas, gens(), group_size=3, sde_steps=[0, 1], eta=0.7, member_noise=True)
-    torch.testing.assert_close(out.latents[:, 0], noise)  # step 0 of each member starts from its own noise
+    out = trajectories(noise, sigmas, gens(), sde_steps=[0, 1], member_noise=True, net=net)
+    torch.testing.assert_close(out.start_latents[:, 0], noise)  # step 0 of each member starts from its own noise
     # x0 decoding: the last step's x0_hat = x - sigma v instead of its noisy sample
-    sample = rollout_full_sde(net, noise[:, 0], sigmas, gens(), group_size=3, sde_steps=[3], eta=0.7)
-    x0 = rollout_full_sde(net, noise[:, 0], sigmas, gens(), group_size=3, sde_steps=[3], eta=0.7, decode="x0")
-    x = sample.latents[:, 0]  # (B, G, ...): where the last step starts
+    sample = trajectories(noise[:, 0], sigmas, gens(), sde_steps=[3], net=net)
+    x0 = trajectories(noise[:, 0], sigmas, gens(), sde_steps=[3], x0_image=True, net=net)
+    x = sample.start_latents[:, 0]  # (B, G, ...): where the last step starts
     torch.testing.assert_close(x0.final_latents[:, 0, 0], x - float(sigmas[3]) * net(x, None, None))
     assert not torch.allclose(sample.final_latents, x0.final_latents)
 
@@ -155,15 +204,17 @@ def test_dancegrpo_trained_steps_and_its_accumulated_update():
     weight = torch.nn.Parameter(torch.tensor(0.3))
     net = lambda x, s, i: weight * x
     latents, next_latents = torch.randn(B, K, G, 5), torch.randn(B, K, G, 5)
-    old = torch.stack([sde_step(latents[:, k].flatten(0, 1), 0.3 * latents[:, k].flatten(0, 1), sigmas, k, 0.3,
-                                next_latents=next_latents[:, k].flatten(0, 1), sde_type="dance")[1].view(B, G)
+    dance = make(DanceGRPO, eta=0.3, clip_range=0.05, max_grad_norm=100.0, member_chunks=2, sde_steps=[0, 1, 2],
+                 timestep_fraction=0.6)
+    old = torch.stack([dance.step(latents[:, k].flatten(0, 1), 0.3 * latents[:, k].flatten(0, 1), sigmas, k,
+                                  next_latents=next_latents[:, k].flatten(0, 1))[1].view(B, G)
                        for k in range(K)], 1)  # (B, K, G)
-    rollout = Rollout(latents, next_latents, old, None, None, [0, 1, 2], 0, 0)
-    advantages, mask = torch.randn(B, K, G), torch.rand(B, K, G) > 0.4
-    mask[:, 0] = True  # every member trains a step
-    kw = dict(eta=0.3, clip_range=0.05, max_grad_norm=100.0, sde_type="dance")
-    g2rpo_update(net, [weight], torch.optim.SGD([weight], lr=0.1), rollout, advantages, sigmas,
-                 step_per_sde_step=False, train_mask=mask, member_chunks=2, **kw)
+    rollout = Rollout(latents, next_latents, old, None, None, [0, 1, 2], [], 0, 0)
+    advantages = torch.randn(B, K, G)
+    # the steps each member trains, drawn by its update from the prompt's generator (restated below)
+    mask = random_step_mask([torch.Generator().manual_seed(5)], K, G, 0.6)  # (B, K, G): 1 of 3 steps each
+    dance.update(net, [weight], torch.optim.SGD([weight], lr=0.1), rollout, advantages, sigmas,
+                 generators=[torch.Generator().manual_seed(5)])
     ours = float(weight.detach())
     weight.data.fill_(0.3)
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -171,37 +222,41 @@ def test_dancegrpo_trained_steps_and_its_accumulated_update():
         pairs = [(k, g) for g in members for k in range(K) if mask[0, k, g]]
         for k, g in pairs:
             x = latents[0, k, g : g + 1]
-            _, log_prob = sde_step(x, net(x, None, None), sigmas, k, 0.3, next_latents=next_latents[0, k, g : g + 1],
-                                   sde_type="dance")
+            # DanceGRPO's log-prob: N(x'; x + dt (v + eta^2 / (2 sigma) (x + (1 - sigma) v)), eta^2 (-dt))
+            s_k, dt = float(sigmas[k]), float(sigmas[k + 1] - sigmas[k])
+            v = net(x, None, None)
+            mean = x + dt * (v + 0.3**2 / (2 * s_k) * (x + (1 - s_k) * v))
+            log_prob = torch.distributions.Normal(mean, 0.3 * math.sqrt(-dt)).log_prob(
+                next_latents[0, k, g : g + 1]).mean(1)
             ratio = torch.exp(log_prob - old[0, k, g])
             a = advantages[0, k, g]
             loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.95, 1.05)).sum() / len(pairs)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert abs(ours - float(weight)) < 1e-6 and abs(ours - 0.3) > 1e-4
+    assert abs(ours - float(weight.detach())) < 1e-6 and abs(ours - 0.3) > 1e-4
 
 
-# the recipes' values at --model flux: the peers' published runs (docs/baselines.md names each file)
+# the recipes' values at --model flux: the peers' published runs (each method file names its sources)
 TABLE = {
-    "g2rpo": dict(sampling="g2rpo", group_size=12, num_steps=16, eta=0.7, lr=2e-6, clip_range=1e-4, kl_beta=0.0,
-                  sde_steps=list(range(8)), sde_type="flow", adv_std="group", same_noise=True, lora_rank=0,
-                  step_per_sde_step=True, timestep_fraction=1.0, decode="sample"),
-    "dancegrpo": dict(sampling="full", group_size=12, num_steps=16, eta=0.3, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-                      sde_steps=list(range(15)), timestep_fraction=0.6, sde_type="dance", decode="x0",
-                      adv_std="group", same_noise=True, step_per_sde_step=False, member_chunks=3, lora_rank=0,
+    "g2rpo": dict(group_size=12, num_steps=16, eta=0.7, lr=2e-6, clip_range=1e-4, kl_beta=0.0,
+                  sde_steps=list(range(8)), lora_rank=0, step_per_sde_step=True, granularities=[1, 2, 3]),
+    "dancegrpo": dict(group_size=12, num_steps=16, eta=0.3, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
+                      sde_steps=list(range(15)), timestep_fraction=0.6, member_chunks=3, lora_rank=0,
                       shift=3.0, resolution=720, max_grad_norm=1.0),
-    "flow-grpo": dict(sampling="full", group_size=24, num_steps=6, eta=0.9, lr=3e-4, clip_range=1e-4, kl_beta=0.0,
-                      sde_steps=[0, 1, 2, 3, 4], sde_type="flow", adv_std="global", same_noise=False,
-                      kl_form="flow-grpo", reward_fusion="score", lora_rank=64, resolution=512, guidance=3.5,
-                      step_per_sde_step=False, member_chunks=2),
-    "flow-grpo-fast": dict(sampling="mixed", sde_type="cps", eta=0.8, window_schedule="random", window_size=3,
-                           window_end=3, clip_range=1e-5, group_size=24, num_steps=6, adv_std="global",
-                           same_noise=False, lora_rank=64),
-    "mixgrpo": dict(sampling="mixed", window_schedule="mixgrpo", window_size=4, window_every=25, window_stride=1,
-                    group_size=12, num_steps=25, eta=0.7, lr=1e-5, clip_range=1e-4, kl_beta=0.0, sde_type="flow",
-                    adv_std="group", same_noise=True, step_per_sde_step=False, member_chunks=4),
+    "flow-grpo": dict(group_size=24, num_steps=6, eta=0.9, lr=3e-4, clip_range=1e-4, kl_beta=0.0,
+                      sde_steps=[0, 1, 2, 3, 4], lora_rank=64, lora_alpha=128.0, lora_feed_forward=True,
+                      resolution=512, guidance=3.5, member_chunks=2),
+    "flow-grpo-fast": dict(eta=0.8, window_size=3, window_end=3, clip_range=1e-5, group_size=24, num_steps=6,
+                           lora_rank=64, member_chunks=2),
+    "mixgrpo": dict(window_size=4, window_every=25, window_stride=1, group_size=12, num_steps=25, eta=0.7, lr=1e-5,
+                    clip_range=1e-4, kl_beta=0.0, member_chunks=4),
 }
+# what a method of whole trajectories runs, by construction, where G2RPO runs otherwise
+FIXED = {"dancegrpo": dict(same_noise=True, per_step_advantages=False),
+         "flow-grpo": dict(same_noise=False, per_step_advantages=False),
+         "flow-grpo-fast": dict(same_noise=False, per_step_advantages=False),
+         "mixgrpo": dict(same_noise=True, per_step_advantages=False)}
 
 
 @pytest.mark.parametrize("method", list(TABLE))
@@ -209,13 +264,14 @@ def test_recipes_resolve_to_the_table(method):
     args = vars(flags.parse_args(["--model", "flux", "--method", method]))
     assert {k: args[k] for k in TABLE[method]} == TABLE[method]
     assert flags.preset("flux", method) == {**args}  # evaluate.py's view of the same defaults
+    for name, value in FIXED.get(method, {}).items():
+        assert getattr(METHODS[method], name) == value, name
     # on the tiny model the preset's sizes stand and the algorithm changes
     tiny = vars(flags.parse_args(["--model", "tiny", "--method", method]))
     tiny_preset = flags.preset("tiny")
     assert {k: tiny[k] for k in ("group_size", "num_steps", "lr", "clip_range", "resolution")} == \
         {k: tiny_preset[k] for k in ("group_size", "num_steps", "lr", "clip_range", "resolution")}
-    for name, value in flags.METHODS[method].algorithm.items():
-        assert tiny[name] == value, name
+    assert tiny["eta"] == TABLE[method]["eta"]
     # a flag given overrides the recipe; the values that follow N follow the N given
     given = vars(flags.parse_args(["--model", "flux", "--method", method, "--eta", "0.5", "--num-steps", "10"]))
     assert given["eta"] == 0.5 and given["num_steps"] == 10
@@ -225,20 +281,32 @@ def test_recipes_resolve_to_the_table(method):
         assert given["window_end"] == 5
 
 
-def test_an_impossible_axis_is_refused_in_one_line(capsys):
-    for argv, words in [(["--no-same-noise"], "share x_T"), (["--decode", "x0"], "--decode is for"),
-                        (["--method", "dancegrpo", "--member-chunks", "20"], "more than the --group-size"),
-                        (["--member-chunks", "2"], "--no-step-per-sde-step"),
+def test_a_method_lists_only_its_own_flags():
+    # --granularities is G2RPO's, --member-chunks the peers', --window-size the windowed ones'
+    assert {"granularities", "step_per_sde_step"} <= set(flags.own_flags("g2rpo"))
+    assert not {"granularities", "member_chunks", "window_size"} & set(flags.own_flags("full-sde"))
+    assert set(flags.own_flags("mixgrpo")) == {"window_size", "window_stride", "window_every", "member_chunks"}
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--model", "tiny", "--method", "dancegrpo", "--granularities", "1"])
+    # its own flags are resume keys; the common ones stay as they were
+    assert "timestep_fraction" in flags.resume_keys("dancegrpo") and "seed" in flags.resume_keys("dancegrpo")
+
+
+def test_an_impossible_value_is_refused_in_one_line(capsys):
+    for argv, words in [(["--method", "dancegrpo", "--member-chunks", "20"], "1..--group-size"),
                         (["--method", "flow-grpo-fast", "--eta", "1.5"], "(0, 1]"),
                         (["--method", "dancegrpo", "--timestep-fraction", "0.1"], "trains none"),
-                        (["--method", "mixgrpo", "--timestep-fraction", "0.6"], "a window can be 1 step"),
-                        (["--sampling", "full", "--step-credit", "mean"], "control for --sampling g2rpo"),
+                        (["--method", "mixgrpo", "--num-steps", "2", "--sde-steps", "0"], "--num-steps 3 or more"),
+                        (["--method", "full-sde", "--step-credit", "mean"], "control for --method g2rpo"),
+                        (["--granularities", "0"], "distinct strides"),
                         (["--method", "nope"], "unknown --method")]:
         with pytest.raises(SystemExit) as exit_info:
             flags.check_flags(flags.parse_args(["--model", "tiny", *argv]), world=1)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1, (argv, err)
+    # G2RPO runs on fewer steps than a peer's window: no window flag stands in its way
+    flags.check_flags(flags.parse_args(["--model", "tiny", "--num-steps", "3", "--sde-steps", "0"]), world=1)
 
 
 SMALL = ["--model", "tiny", "--prompts-per-iteration", "2", "--eval-seeds", "1", "--eval-prompts", "2",
@@ -263,6 +331,6 @@ def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = read_metrics(straight)
     assert [r["train/reward/shapes"] for r in rows[1:]] == [r["train/reward/shapes"] for r in read_metrics(resumed)[1:]]
-    steps = flags.METHODS[method].algorithm["member_chunks"]
+    steps = METHODS[method].member_chunks
     assert all(r["perf/optimizer_steps"] == steps for r in rows[1:])  # one per chunk of members
     assert rows[1]["perf/nfe"] > 0 and math.isfinite(rows[-1]["losses/loss"])

@@ -83,7 +83,7 @@ def test_the_budget_counts_the_runs_own_flags():
     # Lambda {1, 2, 3}) costs the anchor's 8 forwards a prompt plus 27 a member, full SDE G N a prompt
     tiny = ["--model", "tiny", "--prompts-per-iteration", "2"]
     assert bench._nfe_per_iteration([*tiny, "--group-size", "4"]) == 2 * (8 + 4 * 27)
-    assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--sampling", "full"]) == 2 * 4 * 8
+    assert bench._nfe_per_iteration([*tiny, "--group-size", "4", "--method", "full-sde"]) == 2 * 4 * 8
     # MixGRPO's window (up to 2 SDE steps, never the last step) starts at step f = 0..5, f + G (N - f) forwards a
     # prompt, then one iteration without a window (N): the mean over that cycle. Flow-GRPO-Fast's random window costs
     # G N a prompt at every draw (as part 1 counts at its published sizes, 24 x 6)

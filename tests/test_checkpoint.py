@@ -270,20 +270,32 @@ def test_list_checkpoints_ignores_partial_and_damaged_folders(tmp_path):
 def test_resume_config_checks_still_work(tmp_path, trained):
     path = save(tmp_path, 1, trained)
     assert checkpoint.read_trainer_state(path)["config"] == {"seed": 0}
-    assert checkpoint.incompatible({"seed": 0}, {"seed": 0}, {}) is None
-    assert checkpoint.incompatible({"seed": 0}, {"seed": 1}, {}) == ("seed", 0, 1)
-    # a configuration written before a flag existed ran with its default; --window-random became a schedule
-    assert checkpoint.incompatible({}, {"sde_type": "flow"}, {"sde_type": "flow"}) is None
-    assert checkpoint.incompatible({}, {"sde_type": "cps"}, {"sde_type": "flow"}) == ("sde_type", "flow", "cps")
-    assert checkpoint.incompatible({"window_random": True}, {"window_schedule": "random"}, {}) is None
+    keys = ["seed", "method", "timestep_fraction", "model_path"]
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 0}, {}, keys) is None
+    assert checkpoint.incompatible({"seed": 0}, {"seed": 1}, {}, keys) == ("seed", 0, 1)
+    # a configuration written before a flag existed ran with its default
+    assert checkpoint.incompatible({}, {"timestep_fraction": 0.6}, {"timestep_fraction": 0.6}, keys) is None
+    assert checkpoint.incompatible({}, {"timestep_fraction": 0.5}, {"timestep_fraction": 0.6}, keys) == \
+        ("timestep_fraction", 0.6, 0.5)
+    # one written when the algorithm was axis flags: it resumes under the method that ran those axes, or is refused
+    old_dance = {"method": "dancegrpo", "sampling": "full", "sde_type": "dance", "decode": "x0", "adv_std": "group",
+                 "same_noise": True, "kl_form": "exact", "reward_fusion": "advantage", "timestep_fraction": 0.6,
+                 "step_per_sde_step": False, "member_chunks": 3}
+    assert checkpoint.incompatible(old_dance, {"method": "dancegrpo", "timestep_fraction": 0.6}, {}, keys) is None
+    full = {"method": "g2rpo", "sampling": "full", "sde_type": "flow", "timestep_fraction": 1.0}
+    assert checkpoint.incompatible(full, {"method": "full-sde"}, {}, ["method"]) is None
+    assert checkpoint.incompatible(full, {"method": "g2rpo"}, {}, ["method"]) == ("method", "full-sde", "g2rpo")
+    mixed_axes = {**old_dance, "sde_type": "cps"}
+    assert checkpoint.incompatible(mixed_axes, {"method": "dancegrpo"}, {}, keys)[0] == "sde_type"
     # the same model folder spelled with a trailing slash or relative to here is the same folder
     folder = tmp_path / "model"
     folder.mkdir()
     relative = os.path.relpath(folder)
-    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": relative + "/"}, {}) is None
+    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": relative + "/"}, {}, keys) is None
     other = tmp_path / "other"
     other.mkdir()
-    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": str(other)}, {})[0] == "model_path"
+    assert checkpoint.incompatible({"model_path": str(folder)}, {"model_path": str(other)}, {}, keys)[0] == \
+        "model_path"
 
 
 # ---------------------------------------------------------------- metrics.jsonl

@@ -17,7 +17,22 @@ import torch
 
 from conftest import QUICK, ROOT, run_train
 from lab.kernels import Float8Copy, fp8_problem, round_to_fp8_rows
-from sampler import rollout_full_sde, rollout_g2rpo, rollout_mixed, sde_step, sigma_schedule
+from methods import METHODS
+from methods.trajectories import rollout_trajectories
+from sampler import rollout_g2rpo, sde_step, sigma_schedule
+
+
+def trajectories(ode_elsewhere):
+    """Whole trajectories with G2RPO's SDE step: every step (the full-SDE ablation), or a window (MixGRPO)."""
+    def rollout(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, eta, image_only_fn=None):
+        step = lambda x, v, s, i, noise=None, next_latents=None: sde_step(x, v, s, i, eta, noise, next_latents)
+        return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=group_size,
+                                    sde_steps=sde_steps, step_fn=step, max_batch=64, ode_elsewhere=ode_elsewhere,
+                                    image_only_fn=image_only_fn)
+    return rollout
+
+
+rollout_full_sde, rollout_mixed = trajectories(False), trajectories(True)
 
 
 class Recorder:
@@ -57,9 +72,9 @@ def test_only_the_trained_steps_run_on_the_policy(sampling):
     assert trained.sigmas == [[float(sigmas[k])] * rows for k in steps]
     assert split.nfe == plain.nfe and split.calls == plain.calls
     assert split.image_only_nfe == plain.nfe - rows * len(steps) == sum(map(len, fp8.sigmas))
-    members = split.next_latents.shape[2] // split.latents.shape[2]  # scored by one start latent: G or 1
+    members = split.next_latents.shape[2] // split.start_latents.shape[2]  # scored by one start latent: G or 1
     for ki, k in enumerate(steps):
-        x = split.latents[:, ki].flatten(0, 1)  # (B*S, ...)
+        x = split.start_latents[:, ki].flatten(0, 1)  # (B*S, ...)
         rescored = [sde_step(x.repeat_interleave(members, 0), fn(x, sigmas[k].expand(len(x)), None)
                              .repeat_interleave(members, 0), sigmas, k, 0.7,
                              next_latents=split.next_latents[:, ki].flatten(0, 1))[1] for fn in (Recorder(-0.5), fp8)]
@@ -76,7 +91,7 @@ def test_the_same_function_for_both_is_the_rollout_without_one(sampling):
     fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2, 3])), "full": (rollout_full_sde, {})}[sampling]
     velocity = Recorder(-0.5)
     _, plain, split, _ = rollouts(fn, velocity, trained=velocity, sde_steps=[0, 2], **options)
-    for name in ("latents", "next_latents", "old_log_probs", "final_latents"):
+    for name in ("start_latents", "next_latents", "old_log_probs", "final_latents"):
         assert torch.equal(getattr(split, name), getattr(plain, name)), name
     assert (split.nfe, split.calls) == (plain.nfe, plain.calls) and split.image_only_nfe > 0 == plain.image_only_nfe
 
@@ -135,7 +150,6 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     copy (the routing broken) is 1.5e-5 off: the check says so in a note within the clip range of 1e-4, and stops
     the run in one line past a clip range it exceeds."""
     import train
-    from g2rpo import g2rpo_update
 
     args, policy, reward_models = tiny_policy(flux_path, tmp_path, "--lora-rank", "4")
     policy.fp8 = Float8Copy(policy.transformer, compile=False, quantize=round_to_fp8_rows)
@@ -146,7 +160,8 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     prompts = ["a red circle on the left", "a blue bar on the top"]
     lines = []
     check = train.FirstUpdateChecks(args, policy, sigmas, lines.append)
-    metrics = train.iteration(args, 0, policy, reward_models, prompts, sigmas, 0, 1, False, check)
+    method = METHODS[args.method].from_flags(args)
+    metrics = train.iteration(args, 0, method, policy, reward_models, prompts, sigmas, 0, 1, False, check)
     for hook in hooks:
         hook.remove()
     B, K = args.prompts_per_iteration, len(args.sde_steps)
@@ -161,10 +176,9 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     cond = policy.adapter.encode(prompts)
     on_copy = train.make_velocity_fn(args, policy, policy.fp8.module, cond)
     gens = train.generators(args.seed, 1, range(B))
-    rollout = train.sample_rollout(args, on_copy, policy.adapter.noise(gens, args.size), sigmas, gens, args.sde_steps)
-    stats = g2rpo_update(train.make_velocity_fn(args, policy, policy.model, cond), policy.params,
-                         torch.optim.AdamW(policy.params, lr=0.0), rollout, torch.ones(B, K, args.group_size),
-                         sigmas, eta=args.eta, clip_range=args.clip_range, max_grad_norm=1.0)
+    rollout = method.rollout(on_copy, policy.adapter.noise(gens, args.size), sigmas, gens, args.sde_steps)
+    stats = method.update(train.make_velocity_fn(args, policy, policy.model, cond), policy.params,
+                          torch.optim.AdamW(policy.params, lr=0.0), rollout, torch.ones(B, K, args.group_size), sigmas)
     check.after(stats)  # 1.5e-5 from 1 here: within the clip range of 1e-4, so a note
     assert "not exact: the rollout's forwards at the trained steps differ from the update's" in lines[-1]
     with pytest.raises(SystemExit, match="first-step ratio check failed: .* beyond --clip-range 1e-05"):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from advantage import granular_advantages, group_normalize
-from g2rpo import clipped_loss, g2rpo_update
-from sampler import (granular_schedule, ode_sample, rollout_full_sde, rollout_g2rpo, rollout_g2rpo_paper,
-                     rollout_mixed, sde_kl, sde_step, sigma_schedule, window_steps)
+from g2rpo import G2RPO, clipped_loss
+from sampler import (granular_schedule, ode_sample, rollout_g2rpo, rollout_g2rpo_paper, sde_kl, sde_std_dev, sde_step,
+                     sigma_schedule)
 
 REFERENCE_SIGMAS = [1.0, .9783, .9545, .9286, .9000, .8684, .8333, .7941, .7500, .7000, .6429, .5769, .5000,
                     .4091, .3000, .1667, 0.0]
@@ -157,7 +157,7 @@ def test_rollout_structure():
     noise = torch.randn(2, 6)
     kw = dict(group_size=3, sde_steps=[0, 2, 5], granularities=[1, 2])
     out = rollout_g2rpo(net, noise, sigmas, generators(2), **kw, eta=0.7, max_batch=5)
-    assert out.latents.shape == (2, 3, 1, 6) and out.next_latents.shape == (2, 3, 3, 6)
+    assert out.start_latents.shape == (2, 3, 1, 6) and out.next_latents.shape == (2, 3, 3, 6)
     assert out.old_log_probs.shape == (2, 3, 3) and out.final_latents.shape == (2, 2, 3, 3, 6)
     # members share the anchor bit for bit, and differ after their SDE step
     with torch.no_grad():  # the deterministic trajectory, step by step
@@ -168,7 +168,7 @@ def test_rollout_structure():
     x0 = trajectory[-1]
     assert torch.equal(ode_sample(net, noise, sigmas), x0)
     for ki, k in enumerate([0, 2, 5]):
-        assert torch.equal(out.latents[:, ki, 0], trajectory[k])
+        assert torch.equal(out.start_latents[:, ki, 0], trajectory[k])
         assert not torch.allclose(out.next_latents[:, ki, 0], out.next_latents[:, ki, 1])
     assert torch.allclose(out.anchor_final, x0, atol=1e-6)
     # with eta = 0 every g = 1 completion is the anchor's image
@@ -179,16 +179,6 @@ def test_rollout_structure():
     assert torch.allclose(alone.next_latents[0], out.next_latents[1], atol=1e-6)
 
 
-def test_full_sde_rollout_shapes():
-    net = Affine(6, 2)
-    out = rollout_full_sde(net, torch.randn(2, 6), sigma_schedule(8, 3.0), generators(2), group_size=3,
-                           sde_steps=[0, 4], eta=0.7)
-    assert out.latents.shape == (2, 2, 3, 6) and out.final_latents.shape == (2, 1, 1, 3, 6)
-    assert out.nfe == 8 * 6 and out.calls == 8
-    assert torch.equal(out.latents[:, 1], out.next_latents[:, 0]) is False  # steps 0 -> 1 and 4 -> 5 differ
-    torch.testing.assert_close(out.latents[:, 0], torch.zeros(2, 3, 6) + out.latents[:, 0, :1])  # shared x_T
-
-
 @pytest.mark.parametrize("steps,grans,B", [([0, 2, 5], [1, 2, 3], 2), ([1, 3], [2, 4], 1), ([0, 6], [1], 2)])
 def test_fast_rollout_equals_the_papers_loop(steps, grans, B):
     torch.manual_seed(0)
@@ -197,7 +187,7 @@ def test_fast_rollout_equals_the_papers_loop(steps, grans, B):
     kw = dict(group_size=3, sde_steps=steps, granularities=grans, eta=0.7)
     fast = rollout_g2rpo(net, noise, sigmas, generators(B), **kw, max_batch=4)
     plain = rollout_g2rpo_paper(net, noise, sigmas, generators(B), **kw)
-    for name in ("latents", "next_latents", "old_log_probs", "final_latents", "anchor_final"):
+    for name in ("start_latents", "next_latents", "old_log_probs", "final_latents", "anchor_final"):
         torch.testing.assert_close(getattr(fast, name), getattr(plain, name), atol=1e-5, rtol=1e-5, msg=name)
     assert fast.nfe < plain.nfe and fast.calls < plain.calls
 
@@ -213,34 +203,8 @@ def test_sde_kl_equals_torch_kl_and_vanishes_at_the_base():
         std = std_dev * math.sqrt(-dt)
         expected = torch.distributions.kl_divergence(torch.distributions.Normal(mean(v), std),
                                                      torch.distributions.Normal(mean(v_ref), std)).mean(1)
-        torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, 0.7), expected, atol=1e-5, rtol=1e-4)
-    assert torch.equal(sde_kl(v, v, sigmas, 2, 0.7), torch.zeros(2))
-
-
-@pytest.mark.parametrize("window", [[0, 1], [3, 4, 5], [7]])
-def test_mixed_rollout_sde_only_in_the_window(window):
-    torch.manual_seed(0)
-    net, B, G, N = Affine(6, 2), 2, 3, 8
-    out = rollout_mixed(net, torch.randn(B, 6), sigma_schedule(N, 3.0), generators(B), group_size=G,
-                        sde_steps=window, eta=0.7)
-    first = window[0]
-    assert out.nfe == B * (first + G * (N - first))  # members are one latent until the window
-    assert out.latents.shape == (B, len(window), G, 6) and out.final_latents.shape == (B, 1, 1, G, 6)
-    assert torch.equal(out.latents[:, 0, 0], out.latents[:, 0, 1])  # the window opens on the shared ODE latent
-    assert not torch.allclose(out.final_latents[:, 0, 0, 0], out.final_latents[:, 0, 0, 1])
-    # the full-SDE baseline pays every step for every member
-    full = rollout_full_sde(net, torch.randn(B, 6), sigma_schedule(N, 3.0), generators(B), group_size=G,
-                            sde_steps=window, eta=0.7)
-    assert full.nfe == B * G * N
-
-
-def test_window_slides_and_wraps_or_is_drawn():
-    slide = [window_steps(it, num_steps=8, size=3, stride=2, every=5)[0] for it in range(0, 20, 5)]
-    assert slide == [0, 2, 4, 0]  # first steps 0, 2, 4, then 6 wraps (6 possible starts: 0..5)
-    assert window_steps(4, num_steps=8, size=3, stride=2, every=5) == [0, 1, 2]
-    drawn = [window_steps(it, num_steps=8, size=2, stride=1, every=1, schedule="random", seed=3) for it in range(30)]
-    assert all(len(w) == 2 and 0 <= w[0] <= 6 for w in drawn) and len({w[0] for w in drawn}) > 3
-    assert drawn == [window_steps(it, num_steps=8, size=2, stride=1, every=1, schedule="random", seed=3) for it in range(30)]
+        torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, sde_std_dev(sigmas, i, 0.7)), expected, atol=1e-5, rtol=1e-4)
+    assert torch.equal(sde_kl(v, v, sigmas, 2, sde_std_dev(sigmas, 2, 0.7)), torch.zeros(2))
 
 
 def test_group_normalize():
@@ -285,7 +249,10 @@ def test_clipped_loss_value_and_gradient():
     assert lp.grad[2] < 0  # A > 0 and r < 1: unclipped, the loss pulls the log-prob up
 
 
-UPDATE = dict(eta=0.7, clip_range=1.0, max_grad_norm=1e9)
+def g2rpo(**values):
+    """G2RPO with the update's values of these tests (clip range 1: the ratio is never clipped), and `values`."""
+    return G2RPO(**{**dict(sde_steps=[0], group_size=4, eta=0.7, clip_range=1.0, adv_clip_max=5.0, max_grad_norm=1e9,
+                           max_batch=64, inner_epochs=1, kl_beta=0.0), **values})
 
 
 def test_one_iteration_learns():
@@ -299,11 +266,11 @@ def test_one_iteration_learns():
     adv = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
-    frozen = lambda **kw: g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **UPDATE, **kw)
+    frozen = lambda **kw: g2rpo(**kw).update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas)
     loss_before = frozen(step_per_sde_step=False)["loss"]
     first = frozen()
     assert abs(first["ratio_mean"] - 1) < 1e-6 and first["approx_kl"] < 1e-12  # ratio is 1 before any update
-    stats = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **UPDATE)
+    stats = g2rpo().update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas)
     assert stats["optimizer_steps"] == 3 and stats["skipped_steps"] == 0 and stats["grad_norm"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(params, before))
     assert frozen(step_per_sde_step=False)["loss"] < loss_before
@@ -321,11 +288,12 @@ def test_inner_epochs_pass_over_the_rollout_again(step_per_sde_step):
     adv = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1))
     params = list(net.parameters())
     start = copy.deepcopy(net.state_dict())
-    kw = dict(**UPDATE, step_per_sde_step=step_per_sde_step)
-    once = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **kw)
+    once = g2rpo(step_per_sde_step=step_per_sde_step).update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv,
+                                                            sigmas)
     after_once = [p.detach().clone() for p in params]
     net.load_state_dict(start)
-    twice = g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, inner_epochs=2, **kw)
+    twice = g2rpo(step_per_sde_step=step_per_sde_step, inner_epochs=2).update(
+        net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas)
     assert twice["optimizer_steps"] == 2 * once["optimizer_steps"] == (4 if step_per_sde_step else 2)
     assert twice["first_ratio_error"] == once["first_ratio_error"] < 1e-6
     assert twice["ratio_max"] - 1 > once["ratio_max"] - 1 or twice["ratio_min"] < once["ratio_min"]
@@ -341,10 +309,11 @@ def test_kl_term_zero_at_the_base_and_positive_after_an_update():
                         granularities=[1], eta=0.7)
     adv = torch.randn(1, 2, 4)
     params = list(net.parameters())
-    kw = dict(**UPDATE, kl_beta=0.5, base_velocity_fn=base)
-    assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] == 0.0
-    g2rpo_update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas, **kw)
-    assert g2rpo_update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas, **kw)["kl"] > 0.0
+    update = lambda lr: g2rpo(kl_beta=0.5).update(net, params, torch.optim.SGD(params, lr=lr), out, adv, sigmas,
+                                                  base_velocity_fn=base)
+    assert update(0.0)["kl"] == 0.0
+    update(1e-2)
+    assert update(0.0)["kl"] > 0.0
 
 
 def test_update_skips_non_finite():
@@ -355,7 +324,6 @@ def test_update_skips_non_finite():
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
     adv = torch.tensor([[[float("nan"), 1.0]]])
-    stats = g2rpo_update(net, params, torch.optim.SGD(params, lr=1.0), out, adv, sigmas, eta=0.7, clip_range=1.0,
-                         max_grad_norm=1.0)
+    stats = g2rpo(max_grad_norm=1.0).update(net, params, torch.optim.SGD(params, lr=1.0), out, adv, sigmas)
     assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 0
     assert all(torch.equal(p, q) for p, q in zip(params, before))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICK, ROOT, run_train
+from conftest import QUICK, QUICK_ANY, ROOT, run_train
 
 
 def read_metrics(out):
@@ -120,13 +120,12 @@ def test_ema_is_the_hand_computed_average():
 @pytest.mark.parametrize("lora", [4, 0], ids=["ddp", "fsdp2"])
 def test_torchrun_two_ranks_match_one(lora, flux_path, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    # DDP runs a baseline's axes whose collectives are their own: the global advantage std gathers every rank's
-    # rewards, and each member's random trained steps leave the ranks different numbers of rows to forward
-    baseline = ["--sampling", "full", "--timestep-fraction", "0.5", "--adv-std", "global", "--no-same-noise",
-                "--no-step-per-sde-step", "--member-chunks", "2"]
+    # DDP runs a peer whose collectives are its own: each member's random trained steps leave the ranks different
+    # numbers of rows to forward (DanceGRPO)
+    peer = ["--method", "dancegrpo", "--timestep-fraction", "0.5", "--member-chunks", "2"]
     common = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "2", "--lora-rank", str(lora),
-              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", "--kl-beta", "0.1", *QUICK,
-              *(["--checkpoint-every", "1"] if not lora else baseline)]
+              "--lr", "1e-3", "--eval-every", "100", "--ema-decay", "0.5", "--kl-beta", "0.1",
+              *(QUICK + ["--checkpoint-every", "1"] if not lora else QUICK_ANY + peer)]
     run_train([*common, "--output-dir", one])
     proc = run_train([*common, "--output-dir", two], torchrun=2)
     assert "ranks agree on the parameters" in proc.stdout

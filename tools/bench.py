@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 import tyro
 
+from g2rpo import G2RPO
 from lab import flags
+from methods import METHODS as METHOD_CLASSES
 from sampler import rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 
@@ -79,15 +81,13 @@ def zero_velocity(x, sigma, idx):
 
 
 def zero_rollout(a, it):
-    """train.py's rollout of iteration `it` under the parsed flags `a` with a zero velocity, every call as large as
-    it needs: the forwards it costs (`nfe`, `calls`), for `a.prompts_per_iteration` prompts (at least one)."""
-    import train
-
+    """The rollout of iteration `it` of the method of the parsed flags `a` with a zero velocity, every call as large
+    as it needs: the forwards it costs (`nfe`, `calls`), for `a.prompts_per_iteration` prompts (at least one)."""
+    method = dataclasses.replace(METHOD_CLASSES[a.method].from_flags(a), max_batch=10**6)
     prompts = a.prompts_per_iteration or 1
-    noise = torch.zeros(prompts, 1) if a.same_noise else torch.zeros(prompts, a.group_size, 1)  # the cost's shape
-    return train.sample_rollout(dataclasses.replace(a, max_batch=10**6), zero_velocity, noise,
-                          sigma_schedule(a.num_steps, a.shift), [torch.Generator() for _ in range(prompts)],
-                          train.trained_steps(a, it))
+    noise = torch.zeros(prompts, 1) if method.same_noise else torch.zeros(prompts, a.group_size, 1)  # the shape
+    return method.rollout(zero_velocity, noise, sigma_schedule(a.num_steps, a.shift),
+                          [torch.Generator() for _ in range(prompts)], method.trained_steps(it))
 
 
 def part1():
@@ -104,7 +104,7 @@ def part1():
         label = f"G 12, N 16, M 0..7, Lambda {set(grans)}"
         rows.append(("G2RPO reference code", label, ref.nfe, ref.calls, 8))
         rows.append(("G2RPO, this project", label, ours.nfe, ours.calls, 8))
-    rows += [recipe_cost(method) for method in flags.METHODS if method != "g2rpo"]
+    rows += [recipe_cost(method) for method in METHOD_CLASSES if method not in ("g2rpo", "full-sde")]
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:,} | {r[3]:,} | {r[4]} |")
     return rows
@@ -114,15 +114,13 @@ def recipe_cost(method):
     """One row of part 1: `--model flux --method method` at its own defaults, rolled out by train.py's code (a
     zero velocity), its first iteration's window for the mixed samplers. Training forwards: one per start latent
     and trained step (G2RPO's members share theirs; a trajectory's member has its own)."""
-    import train
-
     a = flags.parse_args(["--model", "flux", "--method", method, "--prompts-per-iteration", "1"])
-    steps = train.trained_steps(a, 0)
     rollout = zero_rollout(a, 0)
-    per_member = int(a.timestep_fraction * len(steps))
-    forwards = len(steps) if a.sampling == "g2rpo" else a.group_size * per_member
-    if a.sampling == "mixed":
-        label = f"G {a.group_size}, N {a.num_steps}, window {a.window_size} ({a.window_schedule})"
+    steps = rollout.sde_steps
+    per_member = int(getattr(a, "timestep_fraction", 1.0) * len(steps))
+    forwards = rollout.start_latents.shape[2] * per_member  # start latents a prompt (1, or G) x steps each trains
+    if hasattr(a, "window_size"):
+        label = f"G {a.group_size}, N {a.num_steps}, window {a.window_size} ({method})"
     else:
         label = f"G {a.group_size}, N {a.num_steps}, {per_member} of steps 0..{max(steps)} trained a member"
     return (f"--method {method}", label, rollout.nfe, rollout.calls, forwards)
@@ -142,7 +140,6 @@ def load_tiny(cache):
 def part2(args):
     from lab import tiny
     from advantage import granular_advantages
-    from g2rpo import g2rpo_update
 
     adapter = load_tiny(args.tiny_cache)
     B, G, res = 1, args.speed_group_size, tiny.RESOLUTION
@@ -182,11 +179,13 @@ def part2(args):
         t3 = time.time()
         rewards = scores.view(B, len(grans), len(steps), G, 1)  # (B, J, K, G, R)
         advantages = granular_advantages(rewards, adv_clip_max=5.0)
-        update = dict(eta=0.7, clip_range=1e-4, max_grad_norm=1.0)
+        method = G2RPO(sde_steps=steps, group_size=G, eta=0.7, clip_range=1e-4, adv_clip_max=5.0, max_grad_norm=1.0,
+                       max_batch=64, inner_epochs=1, kl_beta=0.0, granularities=grans)
         if mode == "batched":
-            g2rpo_update(velocity, params, optimizer, rollout, advantages, sigmas, **update)
+            method.update(velocity, params, optimizer, rollout, advantages, sigmas)
         else:  # the reference trains member by member: one batch-1 forward per member and step
-            g2rpo_update(velocity, params, optimizer, _per_member(rollout), advantages, sigmas, **update, max_batch=1)
+            dataclasses.replace(method, max_batch=1).update(velocity, params, optimizer, _per_member(rollout),
+                                                            advantages, sigmas)
             torch.testing.assert_close(finals, rollout.final_latents, atol=1e-4, rtol=1e-4)  # same math
         t4 = time.time()
         results[mode] = dict(sampling=t1 - t0, decode=t2 - t1, reward=t3 - t2, update=t4 - t3, total=t4 - t0, nfe=nfe)
@@ -206,7 +205,8 @@ def part2(args):
 def _per_member(rollout):
     """The same rollout with the shared start latent repeated per member, so the update forwards every member."""
     G = rollout.next_latents.shape[2]
-    return dataclasses.replace(rollout, latents=rollout.latents.expand(-1, -1, G, *rollout.latents.shape[3:]))
+    return dataclasses.replace(rollout, start_latents=rollout.start_latents.expand(
+        -1, -1, G, *rollout.start_latents.shape[3:]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def _per_member(rollout):
 # can tell.
 HEADLINE = {
     "G2RPO {1,2,3}": [],
-    "full SDE, same M": ["--sampling", "full"],  # singular stochastic sampling against whole SDE trajectories
+    "full SDE, same M": ["--method", "full-sde"],  # singular stochastic sampling against whole SDE trajectories
     "G2RPO {1}": ["--granularities", "1"],  # multi-granularity against one granularity
 }
 PEERS = {  # under --peers: each run forwards every member in its update, two to three times a G2RPO run's time
@@ -470,11 +470,10 @@ def _nfe_per_iteration(argv):
     samplers: the mean over one cycle of the sliding window, or over 64 random draws)."""
     a = flags.parse_args(argv)
     count = lambda it: zero_rollout(a, it).nfe
-    if a.sampling != "mixed":
+    if not hasattr(a, "window_size"):
         return count(0)
-    # one position of each of the cycle's windows: mixgrpo's starts 0..N-2 (the last empty), wrap's 0..N-size
-    positions = {"random": 64, "mixgrpo": a.num_steps - 1, "wrap": a.num_steps - a.window_size + 1}[a.window_schedule]
-    sweep = range(64) if a.window_schedule == "random" else range(0, a.window_every * positions, a.window_every)
+    # a random window's 64 draws, or one position of each of the progressive window's: starts 0..N-2 (the last empty)
+    sweep = range(0, a.window_every * (a.num_steps - 1), a.window_every) if hasattr(a, "window_every") else range(64)
     counts = [count(it) for it in sweep]
     return sum(counts) // len(counts)
 

@@ -1,14 +1,14 @@
 """A GPU check anyone can run: does training on this accelerator compute the right thing, and how fast is it?
 
-Every part goes through the trainer's own code: `models.FluxAdapter.velocity` (the one place a transformer is
-called, with its attention kernels and compilation), `models.add_lora` (the trainer's LoRA targets),
-`sampler.rollout_g2rpo`, `g2rpo.g2rpo_update` and `kernels.check_gradient` with `g2rpo.update_loss`.
+Every part goes through the trainer's own code: `lab.models.FluxAdapter.velocity` (the one place a transformer is
+called, with its attention kernels and compilation), `lab.models.add_lora` (the trainer's LoRA targets),
+`sampler.rollout_g2rpo`, `g2rpo.G2RPO.update` and `lab.kernels.check_gradient` with `g2rpo.update_loss`.
   1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator, under torchrun on one rank (the
                 many-GPU path: a process group with NCCL and gloo, FSDP2): no skipped optimizer step, and the
                 train and held-out rewards rise.
   2. gradient:  a FLUX.1-dev-sized transformer (published config, random weights), bf16, LoRA r64, gradient
                 checkpointing, 720^2: the update's gradient is finite and matches the math attention kernel's
-                (`kernels.check_gradient`), and one `g2rpo_update` step is taken, not skipped.
+                (`lab.kernels.check_gradient`), and one `G2RPO.update` step is taken, not skipped.
   3. iteration: one full G2RPO iteration at 720^2, G 12, M 0..7, Lambda {1, 2}: seconds for the rollout, decode +
                 reward and the update; peak memory; the rollout's TFLOP/s and its share of the chip's dense bf16
                 peak; and how far the first update's ratios are from 1 (lr 0, so every step sees the rollout's
@@ -217,9 +217,9 @@ def one_step_rollout(velocity_fn, noise, sigmas, group_size, eta):
         member_noise = torch.randn((G, *noise.shape[1:]), generator=torch.Generator().manual_seed(1)).to(noise.device)
         next_latents, log_probs = sde_step(noise.expand(G, *noise.shape[1:]), velocity.expand(G, *noise.shape[1:]),
                                            sigmas, 0, eta, noise=member_noise)  # (G, ...), (G,)
-    return Rollout(latents=noise[:, None, None], next_latents=next_latents[None, None],
-                   old_log_probs=log_probs[None, None], final_latents=None, anchor_final=None, sde_steps=[0], nfe=1,
-                   calls=1)  # (1, 1, 1, ...), (1, 1, G, ...), (1, 1, G)
+    return Rollout(start_latents=noise[:, None, None], next_latents=next_latents[None, None],
+                   old_log_probs=log_probs[None, None], final_latents=None, anchor_final=None, sde_steps=[0],
+                   granularities=[], nfe=1, calls=1)  # (1, 1, 1, ...), (1, 1, G, ...), (1, 1, G)
 
 
 def peak_gib():
@@ -237,6 +237,15 @@ def share_of_peak(flops_per_s, peaks=BF16_PEAK):
 # the cases (on CUDA each runs in a subprocess of its own)
 # ---------------------------------------------------------------------------------------------------------------
 ETA, CLIP_RANGE, SHIFT = (flags.preset("flux")[name] for name in ("eta", "clip_range", "shift"))  # as the flux preset
+
+
+def g2rpo_method(scale: Scale, granularities=None):
+    """G2RPO at the scale's sizes and the flux preset's eta and clip range, whose update the cases time."""
+    from g2rpo import G2RPO
+
+    return G2RPO(sde_steps=list(scale.sde_steps), group_size=scale.group_size, eta=ETA, clip_range=CLIP_RANGE,
+                 adv_clip_max=5.0, max_grad_norm=1.0, max_batch=scale.max_batch, inner_epochs=1, kl_beta=0.0,
+                 granularities=list(granularities or scale.granularities))
 
 
 def decode_and_reward(adapter, final_latents, resolution, chunk=8):
@@ -262,7 +271,6 @@ def iteration_nfe(scale: Scale) -> int:
 
 def case_gradient(scale: Scale, case: dict) -> dict:
     """Part 2: the update's gradient under the run's kernels against the math kernel's; then one real update step."""
-    from g2rpo import g2rpo_update
     from g2rpo import update_loss
     from sampler import sigma_schedule
 
@@ -273,10 +281,10 @@ def case_gradient(scale: Scale, case: dict) -> dict:
                                sigmas, scale.group_size, ETA)
     advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2))  # (B, K, G)
     advantages = advantages.to(adapter.device)
-    loss_fn = update_loss(velocity_fn, rollout, sigmas, ETA, advantages)
+    loss_fn = update_loss(velocity_fn, rollout, sigmas, g2rpo_method(scale).step, advantages)
     check, seconds = timed(lambda: adapter.kernels.check_gradient(loss_fn, params))
-    stats = g2rpo_update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages, sigmas,
-                         eta=ETA, clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
+    stats = g2rpo_method(scale).update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages,
+                                       sigmas)
     return dict(ok=check.ok and stats["skipped_steps"] == 0, message=check.message, cosine=check.cosine,
                 relative_error=check.relative_error, norm=check.norm, exact_norm=check.exact_norm,
                 check_s=seconds, update_grad_norm=stats["grad_norm"], skipped_steps=stats["skipped_steps"],
@@ -286,7 +294,6 @@ def case_gradient(scale: Scale, case: dict) -> dict:
 def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) -> dict:
     """Timed rollout forwards at each max batch and timed update steps (after one untimed call each, which compiles
     when compiling), their TFLOP/s and share of peak, and the seconds per phase of one iteration projected from them."""
-    from g2rpo import g2rpo_update
     from g2rpo import update_loss
     from sampler import sigma_schedule
 
@@ -295,9 +302,8 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
     rollout = one_step_rollout(velocity_fn, noise, sigmas, scale.group_size, ETA)
     advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2)).to(device)
     optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: the ratio compares the update's forward with the rollout's
-    update = lambda: g2rpo_update(velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA,
-                                  clip_range=CLIP_RANGE, max_grad_norm=1.0, max_batch=scale.max_batch)
-    update_flops = count_flops(lambda: update_loss(velocity_fn, rollout, sigmas, ETA, advantages)().backward())
+    update = lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages, sigmas)
+    update_flops = count_flops(lambda: update_loss(velocity_fn, rollout, sigmas, g2rpo_method(scale).step, advantages)().backward())
     optimizer.zero_grad(set_to_none=True)
     _, update_warmup = timed(update)
     stats, update_s = timed(update)
@@ -325,7 +331,6 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
 def case_iteration(scale: Scale, case: dict) -> dict:
     """Part 3: one full G2RPO iteration, phase by phase; then the probe of the max-batch lever at this resolution."""
     from advantage import granular_advantages
-    from g2rpo import g2rpo_update
     from sampler import rollout_g2rpo, sigma_schedule
 
     resolution, (adapter, cond, params) = case["resolution"], build(scale, {})
@@ -342,9 +347,8 @@ def case_iteration(scale: Scale, case: dict) -> dict:
     rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
     advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: every step's ratio compares its forward with the rollout's
-    stats, update_s = timed(lambda: g2rpo_update(
-        velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA, clip_range=CLIP_RANGE,
-        max_grad_norm=1.0, max_batch=scale.max_batch))
+    stats, update_s = timed(lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages,
+                                                               sigmas))
     rate = forward_flops * rollout.nfe / rollout_s
     result = dict(resolution=resolution, seconds=dict(rollout=rollout_s, decode_and_reward=reward_s, update=update_s),
                   nfe=rollout.nfe, calls=rollout.calls, peak_gib=peak_gib(), forward_tflop=forward_flops / 1e12,
@@ -437,7 +441,6 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     """Part 5: one full G2RPO iteration with the FP8 copy making the image-only forwards (Lambda {1, 2, 3} at the
     FLUX scale), lr 0: the first step's ratios compare the update with the rollout's trained steps."""
     from advantage import granular_advantages
-    from g2rpo import g2rpo_update
     from sampler import rollout_g2rpo, sigma_schedule
 
     resolution, (adapter, cond, params) = case["resolution"], build(scale, dict(compile=scale.fp8_compile))
@@ -466,9 +469,8 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
     advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     optimizer = torch.optim.AdamW(params, lr=0.0)
-    stats, update_s = timed(lambda: g2rpo_update(
-        velocity_fn, params, optimizer, rollout, advantages, sigmas, eta=ETA, clip_range=CLIP_RANGE,
-        max_grad_norm=1.0, max_batch=scale.max_batch))
+    stats, update_s = timed(lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages,
+                                                               sigmas))
     return dict(resolution=resolution, granularities=list(scale.fp8_granularities), nfe=rollout.nfe,
                 image_only_nfe=rollout.image_only_nfe, calls=rollout.calls, warmup_s=warmup_s,
                 projected_rollout_s=projected,

@@ -6,7 +6,7 @@ runs on a laptop: every model is built from its published configuration (tools/c
 the same functions train.py calls, phase by phase, for one rank:
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
-                  rollout's own storage (train.sample_rollout on fake tensors at the real latent shape with a
+                  rollout's own storage (the method's rollout on fake tensors at the real latent shape with a
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
@@ -72,6 +72,7 @@ from lab.kernels import fp8_sharding_problem, sdpa_backends
 from lab.models import ADAPTERS
 from lab.checkpoint import EXPORT_SHARD_BYTES
 from lab.flags import fail
+from methods import METHODS
 from sampler import sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +87,7 @@ REWARD_CONFIGS = {"hps": "open_clip_ViT-H-14.json", "clip": "open_clip_ViT-H-14-
 
 
 @dataclass
-class PlanArgs(flags.Args):
+class PlanArgs(flags.TrainArgs):
     gpus: int = 1
     """GPUs of the run (all nodes together); the plan is of one rank. Full fine-tunes shard with FSDP2 over them."""
     gpu_memory_gib: float = 80.0
@@ -576,10 +577,15 @@ def _plan(args, fake, log, mesh=None):
     world = args.gpus
     B = args.global_batch(world) // world  # prompts per rank
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    steps = train.trained_steps(args, 0)
+    method = METHODS[args.method].from_flags(args)
+    steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = train.generators(args.seed, 0, range(B))
-    noise = adapter.noise(generators, args.size)  # (B, ...) real: the rollout runs for real
+    if method.same_noise:
+        noise = adapter.noise(generators, args.size)  # (B, ...) real: the rollout runs for real
+    else:  # (B, G, ...) one per member
+        noise = adapter.noise([g for g in generators for _ in range(args.group_size)], args.size).unflatten(
+            0, (B, args.group_size))
     rows, notes = [], []
     kernels = cuda_attention(args.attention_backend, args.rollout_attention_backend)
     values = NoValues() if fake else contextlib.nullcontext()
@@ -594,9 +600,9 @@ def _plan(args, fake, log, mesh=None):
         resident_cond = resident + list(cond.values())
 
         # 2. rollout: its storage on fake tensors, one transformer call at its largest batch on the device
-        storage, calls = rollout_storage(args, noise, sigmas, generators, steps, fake_mode)
+        storage, calls = rollout_storage(method, noise, sigmas, generators, steps, fake_mode)
         largest = max(b for b, _ in calls)
-        latents = torch.zeros(largest, *noise.shape[1:])  # (n, ...) a call's input
+        latents = torch.zeros(largest, *noise.shape[1 if method.same_noise else 2:])  # (n, ...) a call's input
         velocity = train.make_velocity_fn(args, policy, policy.transformer, cond)
         index = torch.arange(largest) % B
         with torch.no_grad():
@@ -612,7 +618,7 @@ def _plan(args, fake, log, mesh=None):
 
         # 3. decode and score: the reward batch; every completion and the anchor are scored this way
         rollout = storage["rollout"]
-        rollout_tensors = [rollout.latents, rollout.next_latents, rollout.old_log_probs, rollout.final_latents]
+        rollout_tensors = [rollout.start_latents, rollout.next_latents, rollout.old_log_probs, rollout.final_latents]
         final = rollout.final_latents.flatten(0, 3)  # (M, ...)
         n = min(args.reward_batch_size, final.shape[0])
         batch = final[:n]  # the rollout's own tensors: fake in the plan, real in its CPU check
@@ -623,21 +629,22 @@ def _plan(args, fake, log, mesh=None):
         log(f"decode and rewards simulated ({time.time() - started:.0f} s)")
 
         # 4. the update of one trained step (the others are alike), and the optimizer step
-        fake_rollout = type(rollout)(*rollout_tensors, None, rollout.sde_steps, rollout.nfe, rollout.calls)
+        fake_rollout = type(rollout)(*rollout_tensors, None, rollout.sde_steps, rollout.granularities, rollout.nfe,
+                                     rollout.calls)
         advantages = torch.zeros(B, args.group_size)  # (B, G): values do not change the cost
         update_velocity = train.make_velocity_fn(args, policy, policy.model, cond)
         base = train.base_velocity_fn(args, policy, cond)
 
         def update():
-            step_loss_backward(update_velocity, fake_rollout, advantages, sigmas, 0, eta=args.eta,
-                               clip_range=args.clip_range, loss_scale=1.0, max_batch=args.max_batch,
-                               kl_beta=args.kl_beta, base_velocity_fn=base)
+            step_loss_backward(update_velocity, fake_rollout, advantages, sigmas, 0, step_fn=method.step,
+                               clip_range=args.clip_range, max_batch=args.max_batch, kl_beta=args.kl_beta,
+                               base_velocity_fn=base, kl_fn=method.kl)
             optimizer_step(policy.params, policy.optimizer, args.max_grad_norm)
             if policy.ema is not None:
                 policy.ema.update(0)
 
         update_cost = measure(update, resident_cond + rollout_tensors, fsdp)
-        starts = rollout.latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G (full SDE)
+        starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
         rows.append(Row(f"update: {len(steps)} steps x {chunks} chunk{'s' * (chunks > 1)} of "
                         f"{min(starts, args.max_batch)}, fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
@@ -753,8 +760,8 @@ def args_eval_prompt_count(args):
 
 
 @torch.no_grad()
-def rollout_storage(args, noise, sigmas, generators, steps, fake_mode=None):
-    """Run train.sample_rollout with a velocity of zeros from `noise` made fake under `fake_mode` (else for real on
+def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None):
+    """Run the method's rollout with a velocity of zeros from `noise` made fake under `fake_mode` (else for real on
     the CPU): the rollout keeps what it keeps in a real run (anchor, branches, completions), at the real latent
     shape, and every tensor that follows from the noise is fake too, so its storage costs no host memory (the sigma
     schedule stays real: the sampler reads its values). Returns {"rollout": the Rollout} and, per transformer call,
@@ -769,7 +776,7 @@ def rollout_storage(args, noise, sigmas, generators, steps, fake_mode=None):
     noise = _fake_copy(noise, fake_mode)
     tracker.track_external(noise)
     with tracker:
-        rollout = train.sample_rollout(args, zero_velocity, noise, sigmas, generators, steps)
+        rollout = method.rollout(zero_velocity, noise, sigmas, generators, steps)
     return {"rollout": rollout}, calls
 
 

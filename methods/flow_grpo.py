@@ -1,0 +1,233 @@
+"""Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) and Flow-GRPO-Fast: whole SDE trajectories, one reward each,
+the advantage over the whole batch's std.
+
+From the authors' `yifan123/flow_grpo` (`config/grpo.py` `pickscore_flux` and the `*_fast` configs,
+`scripts/train_flux.py`, `flow_grpo/stat_tracking.py`):
+  - Flow-GRPO's SDE step is G2RPO's (sampler.sde_step), eta 0.9; every step but the last is SDE and trained;
+  - each member draws its own initial noise (`same_latent=False`);
+  - several rewards are summed raw before the advantage (`multi_score`), and the advantage divides by the
+    population std of every reward of the iteration, gathered over the ranks, + 1e-4 (`global_std`):
+        A_i = (R_i - mean_group R) / (std_all R + 1e-4)
+  - its KL to the base model (`kl_loss`, beta 0 in its FLUX config) divides by 2 std_dev^2 without the step's -dt:
+        KL = |mean - mean_ref|^2 / (2 std_dev^2),   the Gaussian's KL times -dt;
+  - G 24, 6 steps, 512^2, clip 1e-4, LoRA r64 alpha 128 on attention and feed-forward, lr 3e-4, 2 optimizer
+    steps an iteration.
+Flow-GRPO-Fast samples SDE steps only inside a window of 3 steps drawn each iteration within 0..N/2 - 1, ODE
+elsewhere, and trains the window alone, with the coefficients-preserving SDE (CPS, Wang & Yu 2025), eta 0.8:
+        x0_hat = x - sigma v,   eps_hat = x + (1 - sigma) v,   std = sigma' sin(eta pi / 2)
+        mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat,   log p = -|x' - mean|^2 (averaged)
+Its log-prob has no constant and no 1 / (2 std^2), hence its clip range of 1e-5.
+
+Differences from the authors' code:
+  1. It splits an epoch's batches in two for its two optimizer steps; this project splits each group's members.
+  2. Its EMA of the LoRA weights (on in that config) is --ema-decay here, off unless given.
+  3. It keeps per-prompt statistics across an epoch's repeated prompts; this project normalises each group once.
+  4. Flow-GRPO-Fast draws its window from each process's Python random state (ranks may differ); here from
+     (seed, iteration), the same on every rank. Its `pickscore_flux_fast` config uses the per-prompt std instead.
+  5. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer.
+  6. On presets other than --model flux, the preset's sizes stand and only the algorithm changes.
+
+Run it:
+    python train.py --model tiny --method flow-grpo          (or --method flow-grpo-fast)
+    python train.py --model flux --method flow-grpo          # LoRA r64: one GPU
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from advantage import integrate
+from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
+from sampler import sde_std_dev, sde_step
+
+FLUX = dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, kl_beta=0.0, lora_rank=64,
+            lora_alpha=128.0, lora_feed_forward=True)  # the published FLUX.1 configs' sizes
+
+
+def global_std_advantages(scores, weights, adv_clip_max, ranks=None):
+    """scores: (B, 1, 1, G, R), weights: (R,) -> (B, 1, G). The weighted sum of the raw scores is the one reward
+    (multi_score); each group's mean is subtracted, and the std is that of every reward on every rank."""
+    reward = (scores * weights).sum(-1, keepdim=True)  # (B, 1, 1, G, 1)
+    every_rank = ranks.gather(reward) if ranks is not None else reward  # (world*B, 1, 1, G, 1)
+    std = every_rank.float().std(dim=(0, 3), keepdim=True, correction=0)  # (1, 1, 1, 1, 1), the population std
+    r = reward.float()
+    # A_i = (R_i - mean_group R) / (std_all R + 1e-4)
+    return integrate((r - r.mean(3, keepdim=True)) / (std.to(r.device) + 1e-4), adv_clip_max)  # (B, 1, G)
+
+
+def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
+    """Flow-GRPO's kl_loss: |mean - mean_ref|^2 / (2 std_dev^2), per sample (n,)."""
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    std_dev = sde_std_dev(sigmas, i, eta)
+    mean_gap = (velocity.float() - base_velocity.float()) * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * \
+        (sigma_next - sigma)
+    kl = mean_gap**2 / (2 * std_dev**2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
+
+
+def cps_mean_std(x, v, sigmas, i, eta):
+    """The coefficients-preserving step's (mean, std): the noise level after it is sigma' in total."""
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    std = sigma_next * math.sin(eta * math.pi / 2)
+    # x' = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat + std noise
+    mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
+    return mean, std
+
+
+def random_window(iteration, *, num_steps, size, end, seed):
+    """Flow-GRPO-Fast's window: `size` consecutive steps drawn afresh each iteration from (seed, iteration),
+    within steps 0..end - 1 (end 0: N)."""
+    draw = torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
+    start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=draw))
+    return list(range(start, start + size))
+
+
+@dataclass
+class FlowGRPO:
+    """Flow-GRPO: the run's flags it reads (lab/flags.py), then its own (train.py's under --method flow-grpo)."""
+
+    sde_steps: list[int]
+    group_size: int
+    eta: float
+    clip_range: float
+    adv_clip_max: float
+    max_grad_norm: float
+    max_batch: int
+    inner_epochs: int
+    kl_beta: float
+    # --- its own flags ---
+    member_chunks: int = 2
+    """The members of each group split into this many chunks, one optimizer step each on the gradient accumulated
+    over its members and trained steps (Flow-GRPO 2; 1 = one step an iteration)."""
+
+    same_noise = False  # each member its own x_T
+    per_step_advantages = False
+    recipe = dict(eta=0.9)
+    flux = dict(FLUX, clip_range=1e-4)
+    per_steps = dict(sde_steps=all_but_last)
+
+    @classmethod
+    def from_flags(cls, args):
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+    def problem(self, num_steps):
+        if not 1 <= self.member_chunks <= self.group_size:
+            return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
+        return None
+
+    # ALGO LOGIC
+    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
+        return sde_step(latents, velocity, sigmas, i, self.eta, noise, next_latents)
+
+    def kl(self, velocity, base_velocity, sigmas, i):
+        return flow_grpo_kl(velocity, base_velocity, sigmas, i, self.eta)
+
+    def trained_steps(self, iteration):
+        return self.sde_steps
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """noise: (B, G, ...), one per member."""
+        return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
+                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch, member_noise=True,
+                                    image_only_fn=image_only_fn)
+
+    def advantages(self, scores, weights, ranks=None):
+        return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
+
+    def optimizer_steps(self, num_trained_steps):
+        return self.inner_epochs * self.member_chunks
+
+    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
+               base_velocity_fn=None, ranks=None):
+        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
+                                  base_velocity_fn=base_velocity_fn, ranks=ranks)
+
+
+@dataclass
+class FlowGRPOFast:
+    """Flow-GRPO-Fast: the run's flags it reads, then its own (train.py's under --method flow-grpo-fast)."""
+
+    num_steps: int
+    group_size: int
+    eta: float
+    clip_range: float
+    adv_clip_max: float
+    max_grad_norm: float
+    max_batch: int
+    inner_epochs: int
+    kl_beta: float
+    seed: int
+    # --- its own flags ---
+    window_size: int = 3
+    """SDE steps in the window, drawn afresh each iteration (Flow-GRPO-Fast 3)."""
+    window_end: int = 0
+    """The window lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2, which it follows by default); 0 = N."""
+    member_chunks: int = 2
+    """The members of each group split into this many chunks, one optimizer step each (Flow-GRPO-Fast 2)."""
+
+    same_noise = False
+    per_step_advantages = False
+    recipe = dict(eta=0.8)
+    flux = dict(FLUX, clip_range=1e-5)
+    per_steps = dict(window_end=lambda num_steps: num_steps // 2)
+
+    @classmethod
+    def from_flags(cls, args):
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+    def problem(self, num_steps):
+        if self.eta > 1:
+            return (f"--eta {self.eta}: the CPS step's noise std is sigma' sin(eta pi / 2), so eta lies in (0, 1] "
+                    f"(Flow-GRPO-Fast 0.8)")
+        if self.window_size < 1 or not self.window_size <= (self.window_end or num_steps) <= num_steps:
+            return (f"--window-end {self.window_end}: a random window of --window-size {self.window_size} needs "
+                    f"1 <= {self.window_size} <= window end <= --num-steps {num_steps} (0 = N)")
+        if not 1 <= self.member_chunks <= self.group_size:
+            return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
+        return None
+
+    # ALGO LOGIC
+    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
+        """The CPS step: sample or score; its log-prob -|x' - mean|^2, averaged over elements: (batch,)."""
+        x, v = latents.float(), velocity.float()
+        if self.eta == 0:
+            return sde_step(x, v, sigmas, i, 0.0)
+        mean, std = cps_mean_std(x, v, sigmas, i, self.eta)
+        if next_latents is None:
+            next_latents = mean + std * (torch.randn_like(x) if noise is None else noise.float())
+        next_latents = next_latents.float()
+        # the Gaussian's log-prob up to its constant and its 1 / (2 std^2) scale (std is the same under the old and
+        # the new policy, so the ratio keeps its sign but not its size). The last step (sigma' = 0) is deterministic
+        log_prob = -((next_latents - mean) ** 2)
+        return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
+
+    def kl(self, velocity, base_velocity, sigmas, i):
+        """|mean - mean_ref|^2 / (2 std^2), v's coefficient in the CPS mean c = -(1 - sigma') sigma +
+        sqrt(sigma'^2 - std^2) (1 - sigma); no noise at sigma' = 0, so no KL there."""
+        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+        std = sigma_next * math.sin(self.eta * math.pi / 2)
+        c = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
+        mean_gap = (velocity.float() - base_velocity.float()) * c
+        kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
+        return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
+
+    def trained_steps(self, iteration):
+        return random_window(iteration, num_steps=self.num_steps, size=self.window_size, end=self.window_end,
+                             seed=self.seed)
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """noise: (B, G, ...); SDE inside the window `steps`, ODE elsewhere."""
+        return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
+                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
+                                    ode_elsewhere=True, member_noise=True, image_only_fn=image_only_fn)
+
+    def advantages(self, scores, weights, ranks=None):
+        return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
+
+    def optimizer_steps(self, num_trained_steps):
+        return self.inner_epochs * self.member_chunks
+
+    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
+               base_velocity_fn=None, ranks=None):
+        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
+                                  base_velocity_fn=base_velocity_fn, ranks=ranks)

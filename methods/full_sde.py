@@ -1,0 +1,52 @@
+"""G2RPO's ablation of singular stochastic sampling: every member a whole SDE trajectory, all else as G2RPO.
+
+The paper's first claim is that a reward credited to one SDE step says more than one shared by a whole trajectory.
+This method tests it: it keeps G2RPO's SDE step (eta 0.7), its trained steps M, its shared initial noise, its group
+advantage and its update (one optimizer step per trained step), and replaces the rollout by G full SDE
+trajectories per prompt, one reward each, broadcast to the steps of M. The bench's "full SDE, same M" row.
+
+Run it:
+    python train.py --model tiny --method full-sde
+"""
+from dataclasses import dataclass
+
+from g2rpo import G2RPO
+from methods.trajectories import rollout_trajectories
+
+
+@dataclass
+class FullSDE:
+    """The run's flags it reads (lab/flags.py), then its own (train.py's under --method full-sde)."""
+
+    sde_steps: list[int]
+    group_size: int
+    eta: float
+    clip_range: float
+    adv_clip_max: float
+    max_grad_norm: float
+    max_batch: int
+    inner_epochs: int
+    kl_beta: float
+    # --- its own flag ---
+    step_per_sde_step: bool = True
+    """One optimizer step per trained step k (as G2RPO); False: one an iteration, on the objective averaged over k."""
+
+    same_noise = True
+    per_step_advantages = False  # one reward per trajectory
+    recipe, flux, per_steps = {}, {}, {}
+    # G2RPO's SDE step, KL, trained steps, advantage and update
+    step, kl, trained_steps, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.advantages
+    optimizer_steps, update = G2RPO.optimizer_steps, G2RPO.update
+
+    @classmethod
+    def from_flags(cls, args):
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+    def problem(self, num_steps):
+        return None
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """G full SDE trajectories per prompt from its shared noise (B, ...), every step an SDE step."""
+        return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
+                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
+                                    image_only_fn=image_only_fn)

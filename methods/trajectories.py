@@ -1,0 +1,110 @@
+"""Whole trajectories: the rollout and the update that the peers share (DanceGRPO, Flow-GRPO, Flow-GRPO-Fast,
+MixGRPO, and G2RPO's full-SDE ablation).
+
+Where G2RPO branches its G members off one ODE anchor, these methods sample G whole trajectories per prompt, SDE
+steps on every step (DanceGRPO, Flow-GRPO) or only inside a window of steps with ODE steps elsewhere (MixGRPO,
+Flow-GRPO-Fast). A trajectory's image gets one reward, and its advantage is broadcast to every step it trains.
+Each member has its own start latent at each trained step, so the update forwards B*G latents a step (S = G in
+`g2rpo.step_loss_backward`), where G2RPO's forwards B.
+
+Their update accumulates the gradient over the trained steps and splits the members of each group into chunks,
+one optimizer step each (`accumulated_update`); DanceGRPO further trains each member on its own random share of
+the steps (`train_mask`).
+
+Shapes: B prompts, G group size, K trained steps, (...) the latent.
+"""
+import torch
+
+from g2rpo import optimizer_step, step_loss_backward, update_stats
+from sampler import CountingVelocity, Rollout, prompt_noise, sde_step
+
+
+def all_but_last(num_steps: int) -> list:
+    """Steps 0..N-2: DanceGRPO and Flow-GRPO never train the step into sigma = 0."""
+    return list(range(num_steps - 1))
+
+
+@torch.no_grad()
+def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, step_fn, max_batch,
+                         ode_elsewhere=False, member_noise=False, x0_image=False, image_only_fn=None):
+    """G trajectories per prompt: an SDE step (`step_fn`) on every step, or only on `sde_steps` when
+    `ode_elsewhere`; keeps the start latent, the sample and its log-prob at each step of `sde_steps`.
+
+    noise: (B, ...) one initial noise per prompt, shared by its members, or with `member_noise` (B, G, ...), one per
+    member. From a shared noise the members are identical until their first SDE step, so the steps before it run
+    once per prompt. x0_image: the image is decoded from the x0_hat = x - sigma v of the last step rather than from
+    its sample (DanceGRPO; the same latent when that step is ODE). image_only_fn: the velocity of the steps
+    outside `sde_steps` (default `velocity_fn`).
+    """
+    B, G, device = noise.shape[0], group_size, noise.device
+    shape = noise.shape[2:] if member_noise else noise.shape[1:]
+    forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
+    # (B, ...) while the members are still one latent, then (B*G, ...)
+    x, trained = (noise.flatten(0, 1) if member_noise else noise).float(), {}
+    for i in range(len(sigmas) - 1):
+        stochastic = i in sde_steps or not ode_elsewhere
+        if stochastic and x.shape[0] == B:  # the members part at their first SDE step
+            x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
+        index = torch.arange(B, device=device).repeat_interleave(x.shape[0] // B)  # (B or B*G,)
+        v = (forward if i in sde_steps else image_forward)(
+            x, sigmas[i].expand(x.shape[0]).to(device), index)  # (B or B*G, ...)
+        if not stochastic:
+            x, _ = sde_step(x, v, sigmas, i, eta=0.0)  # Euler
+            continue
+        step_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
+        x_next, log_prob = step_fn(x, v, sigmas, i, noise=step_noise)  # (B*G, ...), (B*G,)
+        if i in sde_steps:
+            trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
+        if x0_image and i == len(sigmas) - 2:
+            x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat = x - sigma v of the last step: (B*G, ...)
+        x = x_next
+    if x.shape[0] == B:  # no SDE step at all (MixGRPO's empty window): G copies of the ODE sample
+        x = x.repeat_interleave(G, dim=0)  # (B*G, ...)
+
+    def stack(part, like):  # the trained steps' part along dim 1; K = 0 (an empty window): an empty one
+        return (torch.stack([trained[k][part] for k in sde_steps], 1) if sde_steps
+                else like.new_zeros(B, 0, *like.shape[1:]))
+    return Rollout(
+        start_latents=stack(0, x.view(B, G, *shape)),  # (B, K, G, ...)
+        next_latents=stack(1, x.view(B, G, *shape)),  # (B, K, G, ...)
+        old_log_probs=stack(2, x.new_zeros(B, G)),  # (B, K, G)
+        final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
+        anchor_final=None, sde_steps=list(sde_steps), granularities=[],
+        **CountingVelocity.totals(forward, image_forward))
+
+
+def accumulated_update(method, velocity_fn, params, optimizer, rollout, advantages, sigmas, *, train_mask=None,
+                       base_velocity_fn=None, ranks=None):
+    """The update of the whole-trajectory peers: the G members of each group split into `method.member_chunks`
+    chunks, one optimizer step each on the gradient accumulated over the chunk's (member, trained step) pairs.
+
+    The loss of one optimizer step is the mean over every rank's pairs of the chunk: L = sum over pairs of l / n,
+    each pair weighted world / n (DDP then divides the summed gradient by world). advantages: (B, K, G);
+    train_mask: None (every member trains every step) or (B, K, G) bool, the steps each member trains. `method`
+    gives the hyperparameters (clip_range, max_batch, kl_beta, inner_epochs, max_grad_norm, member_chunks) and the
+    step and KL formulas (`step`, `kl`). ranks: None (one process), or the run's ranks (.sum, .max, .world), so
+    that every rank makes the same calls. Returns `g2rpo.update_stats`.
+    """
+    B, K, G = advantages.shape
+    world = ranks.world if ranks is not None else 1
+    all_sum = ranks.sum if ranks is not None else (lambda n: n)
+    sync_rows = ranks.max if ranks is not None else None
+    mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
+    per_step, grad_norms = [], []
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(method.inner_epochs):
+        for members in torch.arange(G).tensor_split(method.member_chunks):  # member indices, (G/C,) each
+            in_chunk = torch.zeros(G, dtype=torch.bool)  # (G,)
+            in_chunk[members] = True
+            pairs = mask & in_chunk  # (B, K, G): the (member, step) pairs of this optimizer step
+            total = all_sum(int(pairs.sum()))  # on every rank
+            if total == 0:  # no rank trains this chunk (an empty window): no forward, no optimizer step
+                continue
+            for ki in range(K):
+                weights = pairs[:, ki].float() * world / total  # (B, G)
+                per_step.append(step_loss_backward(
+                    velocity_fn, rollout, advantages[:, ki], sigmas, ki, step_fn=method.step,
+                    clip_range=method.clip_range, max_batch=method.max_batch, kl_beta=method.kl_beta,
+                    base_velocity_fn=base_velocity_fn, kl_fn=method.kl, weights=weights, sync_rows=sync_rows))
+            grad_norms.append(optimizer_step(params, optimizer, method.max_grad_norm))
+    return update_stats(per_step, grad_norms, per_optimizer_step=True)
