@@ -296,7 +296,11 @@ def args_class(method: str, base=None):
     """The flags of a run of `method`: TrainArgs (or `base`, a dataclass derived from it, for a script that takes
     these flags and more: tools/plan.py), the method's own flags, and every reward's model paths, declared once in
     rewards.REWARDS."""
-    return dataclasses.make_dataclass("Args", method_fields(method) + reward_path_fields(), bases=(base or TrainArgs,))
+    # --method's choices are read now, so that a method registered after import (a fork's, a test's) is one of them
+    choice = ("method", Annotated[Literal[tuple(METHODS)], tyro.conf.arg(help=flag_help("method"))],
+              field(default="g2rpo"))
+    return dataclasses.make_dataclass("Args", [choice, *method_fields(method), *reward_path_fields()],
+                                      bases=(base or TrainArgs,))
 
 
 def own_flags(method: str) -> list[str]:
@@ -393,6 +397,13 @@ def parse_args(argv=None, base=None):
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
     if method not in METHODS:
         fail(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
+    mine = {flag(name) for name in own_flags(method)}
+    for other in METHODS:
+        for name in own_flags(other):
+            spelled = {flag(name), "--no-" + name.replace("_", "-")}
+            if flag(name) not in mine and any(a.split("=", 1)[0] in spelled for a in argv):
+                fail(f"{flag(name)} is a flag of --method {other}, not of --method {method}; drop it, or use "
+                     f"--method {other}")
     cls = args_class(method, base)
     args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method)),
                     description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
@@ -478,10 +489,13 @@ def flag_help(name: str) -> str:
 
 @functools.cache
 def _field_docstrings(cls) -> dict:
-    """The docstring under each field of a dataclass's source, one line each."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    """The docstring under each field of a dataclass's source (and its dataclass bases'), one line each."""
+    helps = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        helps.update({a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:]) if
+                      isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)})
+    return helps
 
 
 def train_fields(names, elsewhere=(), note="", notes=None):

@@ -59,7 +59,6 @@ BAD_INPUTS = [
     (["--rewards", "shapes=1", "shapes=2"], "is given twice"),
     (["--rewards", "shapes=nan"], "finite"),
     (["--rewards", "shapes=0"], "0"),
-    (["--window-size", "9", "--num-steps", "8"], "longer than the schedule"),
     (["--reward-frames", "4"], "is for video models (--model wan, wan22)"),
 ]
 
