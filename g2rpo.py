@@ -68,13 +68,9 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, step_fn,
     old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
     advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
     prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
-    rows = torch.arange(B * S, device=start_latents.device)  # (B*S,) the start latents forwarded
     if weights is not None:
         weights = weights.reshape(B * S, members).to(start_latents.device)  # (B*S, G/S)
-        active = weights.gt(0).any(1)  # (B*S,)
-        count = int(active.sum()) if sync_rows is None else sync_rows(int(active.sum()))
-        # the training rows, then (to match the other ranks' calls) rows of weight 0, which add no gradient
-        rows = torch.cat([rows[active], rows[~active]])[:count].sort().values  # (count,)
+    rows = forwarded_rows(B * S, weights, sync_rows, start_latents.device)  # the start latents forwarded
     loss, kl, log_ratios = 0.0, 0.0, []
     for micro_batch in rows.split(max_batch) if len(rows) else []:
         n, x = len(micro_batch), start_latents[micro_batch]  # x: (n, ...)
@@ -104,10 +100,26 @@ def step_loss_backward(velocity_fn, rollout, advantages, sigmas, ki, *, step_fn,
         log_ratio = (log_probs - old_log_probs[micro_batch]).detach()  # (n, G/S)
         log_ratios.append(log_ratio.flatten() if weights is None else log_ratio[weights[micro_batch] > 0])
     log_ratio = torch.cat(log_ratios) if log_ratios else torch.empty(0)  # one value per trained member
-    if log_ratio.numel() == 0:
-        return None
+    return None if log_ratio.numel() == 0 else {"loss": loss, "kl": kl, **ratio_stats(log_ratio, clip_range)}
+
+
+def forwarded_rows(n, weights, sync_rows, device):
+    """The start latents a step forwards, of its n: all of them, or those with a member of weight > 0 (weights
+    (n, M)), topped up to `sync_rows`' count with rows of weight 0, which add no gradient, so that every rank makes
+    the same calls."""
+    rows = torch.arange(n, device=device)  # (n,)
+    if weights is None:
+        return rows
+    active = weights.gt(0).any(1)  # (n,)
+    count = int(active.sum()) if sync_rows is None else sync_rows(int(active.sum()))
+    return torch.cat([rows[active], rows[~active]])[:count].sort().values  # (count,)
+
+
+def ratio_stats(log_ratio, clip_range):
+    """What the ratios r = exp(log_ratio) of the trained members say: approx_kl = mean (log r)^2 / 2, the share
+    clipped, and their mean, max and min."""
     ratio = log_ratio.exp()
-    return {"loss": loss, "kl": kl, "approx_kl": float(0.5 * (log_ratio**2).mean()),
+    return {"approx_kl": float(0.5 * (log_ratio**2).mean()),
             "clipfrac": float(((ratio - 1).abs() > clip_range).float().mean()),
             "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()), "ratio_min": float(ratio.min())}
 

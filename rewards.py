@@ -16,8 +16,9 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
 | shapes        | none: the tiny world's pixel rule (lab/tiny.py)                  | colour, position, shape in [0, 1] |
 
-Several rewards are combined by advantage.py: each is normalised within its group before the weighted sum, so a
-reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS ~0.3).
+Several rewards are combined by the method's advantage. G2RPO's (advantage.py) normalises each within its group
+before the weighted sum, so a reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS
+~0.3); Flow-GRPO sums the raw scores first, as its authors do (methods/flow_grpo.py).
 
 Loading never runs remote code and never unpickles arbitrary objects (safetensors or torch.load(weights_only=True)),
 except inside the `image-reward` package, whose own loader (ImageReward.load) reads its checkpoint as it chooses.

@@ -26,7 +26,7 @@ the gradient self-check) is `kernels.Kernels`, entered around the call as `with 
 
 Deviations from the reference code (numbers of the README's list): 3 (sigma goes to the transformer exactly;
 diffusers' FLUX.1 and FLUX.2 scale it by 1000 inside, SD3 and Wan take t = 1000 sigma, Z-Image 1 - sigma),
-4 (VAE scaling from its config), 13 (a video's reward: the mean over its frames).
+4 (VAE scaling from its config). A video decodes to its frames, which rewards.py scores (deviation 13 is there).
 """
 import os
 
@@ -438,8 +438,7 @@ class WanAdapter(Adapter):
     """Wan 2.1 / 2.2 text-to-video (UMT5 text encoder; one transformer: 2.1, or 2.2 TI2V 5B). Latents are videos
     (B, C, F', h, w), F' = (F - 1) / 4 + 1 latent frames for F frames; the transformer takes t = 1000 sigma.
     Classifier-free guidance against the empty caption when `guidance` > 1, as the pipeline does, at 2 image-forwards
-    per velocity. Decoded samples are videos (M, 3, F, H, W); the rewards score their frames (rewards.over_frames,
-    deviation 13)."""
+    per velocity. Decoded samples are videos (M, 3, F, H, W); the rewards score their frames (rewards.over_frames)."""
     from diffusers import WanPipeline as pipeline_class
     lora_targets = (LORA_ATTENTION[:4], ["ffn.net.0.proj", "ffn.net.2"])  # attn1 (self) and attn2 (text) share names
 

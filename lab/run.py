@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lab import checkpoint
 from lab import fail, flags
 
-GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps as many of its first evaluation batch (on the CPU)
+GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps each evaluation's first this many, across its batches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
