@@ -269,7 +269,7 @@ def plan_rows(args) -> list[Row]:
 
 
 def load_base(settings: dict, args, device, dtype, config: dict):
-    """The base pipeline's adapter (models.py); the tiny family's empty path means its cached pre-trained model
+    """The base pipeline's adapter (lab/models.py); the tiny family's empty path means its cached pre-trained model
     (in --tiny-cache, else where the run kept it)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging

@@ -10,9 +10,10 @@ Every member of a prompt starts step k from the same anchor latent, so one forwa
 scores all G members.
 
 `G2RPO` is the method: its hyperparameters (its own flags, and the run's flags it reads) and its three steps. Every
-other method (methods/) is a class with the same five members: `trained_steps`, `rollout`, `advantages`, `update`
-and `optimizer_steps`; each builds on the primitives here (`clipped_loss`, `step_loss_backward`, `optimizer_step`,
-`update_stats`) and in sampler.py and advantage.py.
+other method (methods/) is a class with the same interface (methods/__init__.py lists it); each builds on the
+primitives here (`clipped_loss`, `step_loss_backward`, `optimizer_step`, `update_stats`) and in sampler.py and
+advantage.py. `step_loss_backward` also takes per-member weights and start latents of their own (S = G) for the
+methods whose members have their own trajectories; G2RPO passes neither.
 
 Shapes: B prompts, G group size, K SDE steps, S start latents per prompt (1 here: the anchor; G for methods whose
 members have their own trajectories).
@@ -184,12 +185,7 @@ class G2RPO:
 
     same_noise = True  # the G members of a prompt share x_T (their SDE steps branch off one anchor)
     per_step_advantages = True  # each trained step has its own advantage (--step-credit can move them)
-    recipe, flux, per_steps = {}, {}, {}  # G2RPO's values are the flags' defaults (methods/__init__.py)
-
-    @classmethod
-    def from_flags(cls, args):
-        """The method of a run's flags: each field from the flag of its name."""
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+    recipe, flux, per_steps = {}, {}, {}  # G2RPO's values are the flags' defaults (lab/flags.py, TrainArgs)
 
     def problem(self, num_steps):
         """Why these values cannot run, in one line, or None."""

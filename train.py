@@ -38,11 +38,11 @@ import torch.distributed as dist
 from lab import checkpoint
 import rewards
 from g2rpo import update_loss
-from lab.flags import changed_from_preset, fail, parse_args, validate, warn_long_prompts
+from lab.flags import changed_from_preset, fail, method_of, parse_args, validate, warn_long_prompts
 from lab.models import ADAPTERS, ModelLoadError, add_lora
 from lab.run import (EMA, GRID_IMAGES, Preempted, Ranks, Run, all_max, all_mean, any_rank, backend, checked,
                      eval_noise_generator)
-from methods import METHODS, step_credit
+from methods import step_credit
 from sampler import ode_sample, sigma_schedule
 
 
@@ -94,7 +94,7 @@ def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, wo
     if finite_rewards and steps:  # (MixGRPO's empty window trains nothing)
         update_velocity = make_velocity_fn(args, policy, policy.model, cond)  # through DDP / FSDP2, with gradients
         if first_update_check is not None:
-            first_update_check.before(update_velocity, rollout, advantages, method.step)
+            first_update_check.before(update_velocity, rollout, method.step)
         stats = method.update(update_velocity, policy.params, policy.optimizer, rollout, advantages, sigmas, gens,
                               base_velocity_fn(args, policy, cond), ranks)
         if first_update_check is not None:
@@ -234,7 +234,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    method = METHODS[args.method].from_flags(args)
+    method = method_of(args)
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest (the
     # first its own number: a bench of many runs from one base evaluates that base once)
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
@@ -328,7 +328,7 @@ class FirstUpdateChecks:
     def __init__(self, args, policy, sigmas, log, distributed=False):
         self.args, self.policy, self.sigmas, self.log, self.distributed = args, policy, sigmas, log, distributed
 
-    def before(self, update_velocity, rollout, advantages, step_fn):
+    def before(self, update_velocity, rollout, step_fn):
         # the log-likelihood of the first prompt's members at its first trained step, through the update's path
         loss_fn = update_loss(update_velocity, rollout, self.sigmas, step_fn)
         result = self.policy.adapter.kernels.check_gradient(loss_fn, self.policy.params)

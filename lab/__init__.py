@@ -9,8 +9,10 @@
     judge.py       the HTTP client of a vision-language judge (UnifiedReward)
 
 The method files (sampler.py, advantage.py, g2rpo.py) and the peers in methods/ never import this package; the
-scripts (train.py, evaluate.py, tools/) use both. Inside it imports flow one way: flags -> models -> kernels, and
-run -> checkpoint; `fail` lives here so that every module can end a run with one line without importing flags.
+scripts (train.py, evaluate.py, tools/) use both. Inside it imports flow one way: run -> flags -> models -> kernels,
+run -> checkpoint, and flags reads the registries of rewards.py and methods/ (rewards.py loads the tiny world's rule
+and the judge client from here, inside the factories that need them); `fail` lives here so that every module can
+end a run with one line without importing flags.
 """
 import os
 import sys

@@ -457,7 +457,8 @@ def _write_files(tmp, iteration, weights, optim_state, config, transformer, lora
 
 def _foreign_files(path):
     """The files of checkpoint `path` that its save did not write (its manifest's list), e.g. a transformer/ that
-    `python -m lab.checkpoint export` added later; None when it has no manifest (an older version's), which counts as its own."""
+    `python -m lab.checkpoint export` added later; None when it has no manifest (an older version's), which counts
+    as its own."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             written = set(json.load(f)["files"]) | {MANIFEST}

@@ -6,7 +6,8 @@ so do each reward's model paths (rewards.REWARDS declares them). `--model` picks
 `--method` a recipe over it (the method's `recipe` and `flux`), and every other flag overrides both. `check_flags`
 checks every flag before anything is loaded or written (each numeric TrainArgs flag has its range in `RULES`, a
 method's own in its `problem`) and prints the notes that need no model; `warn_long_prompts` is the one warning that
-needs the tokenizer. `RESUME_FLAGS` are those a resumed run must share with its checkpoint.
+needs the tokenizer. `resume_keys(method)` are those a resumed run must share with its checkpoint: `RESUME_FLAGS`
+and the method's own.
 """
 import ast
 import dataclasses
@@ -146,8 +147,8 @@ class TrainArgs:
     """G, samples per prompt over which rewards are normalised (reference 12; >= 2)."""
     sde_steps: list[int] = field(default_factory=lambda: list(range(8)))
     """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half). The
-    whole-trajectory methods train these steps of every trajectory (DanceGRPO, Flow-GRPO: 0..N-2); the windowed
-    ones (flow-grpo-fast, mixgrpo) train their window instead."""
+    whole-trajectory methods train these steps of every trajectory (full-sde; Flow-GRPO 0..N-2; DanceGRPO a random
+    share of 0..N-2 per member); the windowed ones (flow-grpo-fast, mixgrpo) train their window instead."""
     # --- the method (each method's own flags join these under its --method: methods/) ---
     method: Literal[tuple(METHODS)] = "g2rpo"
     """The method: g2rpo; full-sde (G2RPO's rollout replaced by whole SDE trajectories: its ablation); a peer as its
@@ -186,10 +187,10 @@ class TrainArgs:
     move off 1, and the clip range bounds how far. The update is cheap beside the rollout, so passes are a lever on
     learning per second."""
     kl_beta: float = 0.0
-    """beta, weight of the KL to the base model per trained step (0 in the reference). Its scale depends on
-    --kl-form: Flow-GRPO's 0.01-0.04 on SD3.5 are for --kl-form flow-grpo; the exact form is 1 / (-dt) times larger,
-    so the same pull takes a beta 6-46x smaller at N 16. LoRA: the base is the model with its adapter off; full
-    fine-tune: a frozen copy (twice the weights)."""
+    """beta, weight of the KL to the base model per trained step (0 in the reference), each method's own form of it:
+    G2RPO's is the step's exact Gaussian KL; Flow-GRPO's (whose 0.01-0.04 on SD3.5 are for its form) is that times
+    -dt, so the same pull takes a beta 6-46x smaller here at N 16. LoRA: the base is the model with its adapter off;
+    full fine-tune: a frozen copy (twice the weights)."""
     ema_decay: float = 0.0
     """Decay of an EMA of the trained weights used for evaluation and saved in checkpoints (0 = off; typ. 0.9-0.995)."""
     ema_every: int = 1
@@ -270,10 +271,10 @@ def reward_path_fields(defaults=None) -> list:
 
 # the flags a resumed run must share with its checkpoint (the model, the data and the algorithm), to which every
 # method's own flags are added (`resume_keys`); the rest may change on --resume, applied from then on
-RESUME_FLAGS = ("model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
+RESUME_FLAGS = ("method", "model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
                 "max_sequence_length", "eta", "resolution", "height", "width", "group_size", "num_steps", "shift",
                 "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay", "ema_every",
-                "num_frames", "reward_frames", "method", "step_credit")
+                "num_frames", "reward_frames", "step_credit")
 
 
 def resume_keys(method: str) -> list[str]:
@@ -354,6 +355,12 @@ PRESETS = {
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
                  window_size=2, window_every=4),  # a window for its 8 steps (flow-grpo-fast, mixgrpo)
 }
+
+
+def method_of(args):
+    """The method of a run's flags (methods/): its class, each field from the flag of its name."""
+    cls = METHODS[args.method]
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def recipe_values(method: str, model: str, num_steps: int) -> dict:
@@ -579,7 +586,7 @@ def check_flags(args, world: int, log=print):
     for f in dataclasses.fields(TrainArgs):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
             fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
-    method = METHODS[args.method].from_flags(args)
+    method = method_of(args)
     if "sde_steps" in method.__dataclass_fields__:  # (the windowed methods train their window instead)
         if not args.sde_steps:
             fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")

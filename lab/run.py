@@ -263,7 +263,8 @@ class Run:
                    if k in saved and k not in keys and k not in ("resume", "overwrite")
                    and json.dumps(saved[k]) != json.dumps(current[k])]
         if changed:
-            self.log(f"note: resuming with flags changed since the checkpoint, applied from now on: {'; '.join(changed)}")
+            self.log(f"note: resuming with flags changed since the checkpoint, applied from now on: "
+                     f"{'; '.join(changed)}")
 
     def begin(self, config: dict, fresh: bool):
         """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration. Only a

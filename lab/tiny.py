@@ -8,10 +8,10 @@ is a real diffusers `FluxPipeline`: a `FluxTransformer2DModel`, an `AutoencoderK
 their tokenizers, all small and built from configs, so `--model tiny` drives the same adapter and code as FLUX.1.
 
 Pre-training (the VAE as an autoencoder, then the transformer by flow matching) takes from under a minute to about
-3 minutes on 2 CPU cores, by machine (docs/performance.md). It leaves headroom: the base model draws the named shape only roughly (a bar not wide enough, a pillar not
-tall enough) and misses the named half now and then, which a reward can correct. The result is saved with
-`save_pretrained` into a cache folder named by its seed and settings, with a checksum file, and loaded from there
-with `FluxPipeline.from_pretrained` like any other model.
+3 minutes on 2 CPU cores, by machine (docs/performance.md). It leaves headroom: the base model draws the named
+shape only roughly (a bar not wide enough, a pillar not tall enough) and misses the named half now and then, which
+a reward can correct. The result is saved with `save_pretrained` into a cache folder named by its seed and
+settings, with a checksum file, and loaded from there with `FluxPipeline.from_pretrained` like any other model.
 
 The reward (`shape_reward`) reads the prompt and scores the pixels, each term in [0, 1], averaged:
   colour:   how close the foreground pixels are to the named colour,

@@ -8,8 +8,12 @@ them, as class attributes and methods:
     per_step_advantages   whether each trained step has its own advantage (--step-credit can move them)
     recipe, flux          the values of the run's flags it sets on every --model, and with --model flux (its
                           published sizes); per_steps: those that follow the run's N, as functions of N
-    from_flags(args)      the method of a run's flags
     problem(num_steps)    why its values cannot run, in one line, or None
+    notes(sigmas)         (optional) lines worth saying before the run starts
+    step(latents, velocity, sigmas, i, noise=None, next_latents=None) -> (next_latents, log_prob (n,))
+                          its SDE step: samples, or scores a stored sample (the update, the gradient self-check)
+    kl(velocity, base_velocity, sigmas, i) -> (n,)
+                          its step's KL to the base model, for --kl-beta
     trained_steps(it)     the SDE steps trained in iteration `it`
     rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn) -> sampler.Rollout
     advantages(scores (B, J, K, G, R), weights (R,), ranks) -> (B, K or 1, G)
@@ -17,8 +21,9 @@ them, as class attributes and methods:
            ranks) -> statistics (g2rpo.update_stats)
     optimizer_steps(K)    the optimizer steps one update takes
 
-`ranks` is None in one process, or the run's ranks: .world, .sum(n), .max(n), .gather(tensor). A new method is a
-file here and a line in METHODS (docs/methods.md works one through).
+`lab.flags.method_of(args)` builds the method of a run's flags. `ranks` is None in one process, or the run's ranks:
+.world, .sum(n), .max(n), .gather(tensor). A new method is a file here and a line in METHODS (docs/methods.md works
+one through).
 """
 from g2rpo import G2RPO
 from methods.dancegrpo import DanceGRPO

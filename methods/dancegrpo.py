@@ -30,7 +30,7 @@ import torch
 
 from advantage import granular_advantages
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
-from sampler import gaussian_step, sde_kl, sde_mean_std, sde_step
+from sampler import gaussian_step, sde_kl, sde_mean_std
 
 
 def random_step_mask(generators, num_steps, group_size, fraction):
@@ -72,10 +72,6 @@ class DanceGRPO:
                 lora_rank=0)  # its published FLUX.1 run
     per_steps = dict(sde_steps=all_but_last)  # values that follow the run's N
 
-    @classmethod
-    def from_flags(cls, args):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
-
     def problem(self, num_steps):
         if not 0 < self.timestep_fraction <= 1:
             return f"--timestep-fraction {self.timestep_fraction}: must be in (0, 1] (DanceGRPO 0.6; 1 = every step)"
@@ -90,9 +86,7 @@ class DanceGRPO:
     def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
         """DanceGRPO's SDE step: the SDE mean and std at a constant std_dev = eta."""
         x, v = latents.float(), velocity.float()
-        if self.eta == 0:
-            return sde_step(x, v, sigmas, i, 0.0)
-        mean, std = sde_mean_std(x, v, sigmas, i, std_dev=self.eta)
+        mean, std = sde_mean_std(x, v, sigmas, i, std_dev=self.eta)  # (n, ...), float
         return gaussian_step(mean, std, noise, next_latents)
 
     def kl(self, velocity, base_velocity, sigmas, i):
@@ -114,8 +108,8 @@ class DanceGRPO:
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
+    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators, base_velocity_fn=None,
+               ranks=None):
         """Each member trains its own random share of the steps, drawn now from its prompt's generator."""
         B, K, G = advantages.shape
         train_mask = random_step_mask(generators, K, G, self.timestep_fraction) if self.timestep_fraction < 1 \

@@ -3,7 +3,7 @@ the advantage over the whole batch's std.
 
 From the authors' `yifan123/flow_grpo` (`config/grpo.py` `pickscore_flux` and the `*_fast` configs,
 `scripts/train_flux.py`, `flow_grpo/stat_tracking.py`):
-  - Flow-GRPO's SDE step is G2RPO's (sampler.sde_step), eta 0.9; every step but the last is SDE and trained;
+  - Flow-GRPO's SDE step is G2RPO's (sampler.sde_step), eta 0.9; every step is SDE, all but the last trained;
   - each member draws its own initial noise (`same_latent=False`);
   - several rewards are summed raw before the advantage (`multi_score`), and the advantage divides by the
     population std of every reward of the iteration, gathered over the ranks, + 1e-4 (`global_std`):
@@ -65,10 +65,15 @@ def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
 
 
+def cps_std(sigmas, i, eta):
+    """The coefficients-preserving step's noise std: sigma' sin(eta pi / 2)."""
+    return float(sigmas[i + 1]) * math.sin(eta * math.pi / 2)
+
+
 def cps_mean_std(x, v, sigmas, i, eta):
     """The coefficients-preserving step's (mean, std): the noise level after it is sigma' in total."""
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-    std = sigma_next * math.sin(eta * math.pi / 2)
+    std = cps_std(sigmas, i, eta)
     # x' = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat + std noise
     mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
     return mean, std
@@ -106,10 +111,6 @@ class FlowGRPO:
     flux = dict(FLUX, clip_range=1e-4)
     per_steps = dict(sde_steps=all_but_last)
 
-    @classmethod
-    def from_flags(cls, args):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
-
     def problem(self, num_steps):
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
@@ -128,7 +129,7 @@ class FlowGRPO:
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """noise: (B, G, ...), one per member."""
         return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
-                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch, member_noise=True,
+                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch, per_member_noise=True,
                                     image_only_fn=image_only_fn)
 
     def advantages(self, scores, weights, ranks=None):
@@ -171,10 +172,6 @@ class FlowGRPOFast:
     flux = dict(FLUX, clip_range=1e-5)
     per_steps = dict(window_end=lambda num_steps: num_steps // 2)
 
-    @classmethod
-    def from_flags(cls, args):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
-
     def problem(self, num_steps):
         if self.eta > 1:
             return (f"--eta {self.eta}: the CPS step's noise std is sigma' sin(eta pi / 2), so eta lies in (0, 1] "
@@ -190,22 +187,21 @@ class FlowGRPOFast:
     def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
         """The CPS step: sample or score; its log-prob -|x' - mean|^2, averaged over elements: (batch,)."""
         x, v = latents.float(), velocity.float()
-        if self.eta == 0:
-            return sde_step(x, v, sigmas, i, 0.0)
-        mean, std = cps_mean_std(x, v, sigmas, i, self.eta)
+        mean, std = cps_mean_std(x, v, sigmas, i, self.eta)  # (n, ...), float
         if next_latents is None:
-            next_latents = mean + std * (torch.randn_like(x) if noise is None else noise.float())
+            next_latents = mean + std * (torch.randn_like(x) if noise is None else noise.float())  # (n, ...)
         next_latents = next_latents.float()
         # the Gaussian's log-prob up to its constant and its 1 / (2 std^2) scale (std is the same under the old and
-        # the new policy, so the ratio keeps its sign but not its size). The last step (sigma' = 0) is deterministic
-        log_prob = -((next_latents - mean) ** 2)
+        # the new policy, so the ratio keeps its sign but not its size). The last step (sigma' = 0) is deterministic:
+        # its sample scores 0 (and is never trained)
+        log_prob = -((next_latents - mean) ** 2)  # (n, ...)
         return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
 
     def kl(self, velocity, base_velocity, sigmas, i):
         """|mean - mean_ref|^2 / (2 std^2), v's coefficient in the CPS mean c = -(1 - sigma') sigma +
         sqrt(sigma'^2 - std^2) (1 - sigma); no noise at sigma' = 0, so no KL there."""
         sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-        std = sigma_next * math.sin(self.eta * math.pi / 2)
+        std = cps_std(sigmas, i, self.eta)
         c = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
         mean_gap = (velocity.float() - base_velocity.float()) * c
         kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
@@ -219,7 +215,7 @@ class FlowGRPOFast:
         """noise: (B, G, ...); SDE inside the window `steps`, ODE elsewhere."""
         return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
-                                    ode_elsewhere=True, member_noise=True, image_only_fn=image_only_fn)
+                                    ode_elsewhere=True, per_member_noise=True, image_only_fn=image_only_fn)
 
     def advantages(self, scores, weights, ranks=None):
         return global_std_advantages(scores, weights, self.adv_clip_max, ranks)

@@ -34,13 +34,10 @@ class FullSDE:
     same_noise = True
     per_step_advantages = False  # one reward per trajectory
     recipe, flux, per_steps = {}, {}, {}
-    # G2RPO's SDE step, KL, trained steps, advantage and update
+    # G2RPO's SDE step, KL, trained steps, advantage and update, borrowed rather than inherited: a subclass would
+    # inherit --granularities and G2RPO's notes, which whole trajectories have no use for
     step, kl, trained_steps, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.advantages
     optimizer_steps, update = G2RPO.optimizer_steps, G2RPO.update
-
-    @classmethod
-    def from_flags(cls, args):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
     def problem(self, num_steps):
         return None

@@ -72,17 +72,14 @@ class MixGRPO:
                 lora_rank=0)
     per_steps = {}
 
-    @classmethod
-    def from_flags(cls, args):
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
-
     def problem(self, num_steps):
         if num_steps < 3:
             return (f"MixGRPO keeps its window inside steps 0..N-3, which --num-steps {num_steps} does not have; "
                     f"use --num-steps 3 or more")
-        for name in ("window_size", "window_stride", "window_every"):
-            if getattr(self, name) < 1:
-                return f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1"
+        for flag, value in (("--window-size", self.window_size), ("--window-stride", self.window_stride),
+                            ("--window-every", self.window_every)):
+            if value < 1:
+                return f"{flag} {value}: must be >= 1"
         if self.window_size > num_steps:
             return f"--window-size {self.window_size} is longer than the schedule of --num-steps {num_steps}"
         if not 1 <= self.member_chunks <= self.group_size:

@@ -26,21 +26,22 @@ def all_but_last(num_steps: int) -> list:
 
 @torch.no_grad()
 def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, step_fn, max_batch,
-                         ode_elsewhere=False, member_noise=False, x0_image=False, image_only_fn=None):
+                         ode_elsewhere=False, per_member_noise=False, x0_image=False, image_only_fn=None):
     """G trajectories per prompt: an SDE step (`step_fn`) on every step, or only on `sde_steps` when
     `ode_elsewhere`; keeps the start latent, the sample and its log-prob at each step of `sde_steps`.
 
-    noise: (B, ...) one initial noise per prompt, shared by its members, or with `member_noise` (B, G, ...), one per
-    member. From a shared noise the members are identical until their first SDE step, so the steps before it run
+    sde_steps: the trained steps (all SDE, and with `ode_elsewhere` the only SDE ones). noise: (B, ...) one initial
+    noise per prompt, shared by its members, or with `per_member_noise` (B, G, ...), one per member. From a shared
+    noise the members are identical until their first SDE step, so the steps before it run
     once per prompt. x0_image: the image is decoded from the x0_hat = x - sigma v of the last step rather than from
     its sample (DanceGRPO; the same latent when that step is ODE). image_only_fn: the velocity of the steps
     outside `sde_steps` (default `velocity_fn`).
     """
     B, G, device = noise.shape[0], group_size, noise.device
-    shape = noise.shape[2:] if member_noise else noise.shape[1:]
+    shape = noise.shape[2:] if per_member_noise else noise.shape[1:]
     forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
     # (B, ...) while the members are still one latent, then (B*G, ...)
-    x, trained = (noise.flatten(0, 1) if member_noise else noise).float(), {}
+    x, trained = (noise.flatten(0, 1) if per_member_noise else noise).float(), {}
     for i in range(len(sigmas) - 1):
         stochastic = i in sde_steps or not ode_elsewhere
         if stochastic and x.shape[0] == B:  # the members part at their first SDE step
@@ -54,6 +55,7 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         step_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
         x_next, log_prob = step_fn(x, v, sigmas, i, noise=step_noise)  # (B*G, ...), (B*G,)
         if i in sde_steps:
+            # (B, G, ...), (B, G, ...), (B, G)
             trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
         if x0_image and i == len(sigmas) - 2:
             x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat = x - sigma v of the last step: (B*G, ...)
@@ -82,7 +84,8 @@ def accumulated_update(method, velocity_fn, params, optimizer, rollout, advantag
     each pair weighted world / n (DDP then divides the summed gradient by world). advantages: (B, K, G);
     train_mask: None (every member trains every step) or (B, K, G) bool, the steps each member trains. `method`
     gives the hyperparameters (clip_range, max_batch, kl_beta, inner_epochs, max_grad_norm, member_chunks) and the
-    step and KL formulas (`step`, `kl`). ranks: None (one process), or the run's ranks (.sum, .max, .world), so
+    step and KL formulas (`step`, `kl`): the one function here that takes a method whole, since every peer shares
+    this loop and brings its own formulas to it. ranks: None (one process), or the run's ranks (.sum, .max, .world), so
     that every rank makes the same calls. Returns `g2rpo.update_stats`.
     """
     B, K, G = advantages.shape

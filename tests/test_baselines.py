@@ -180,7 +180,7 @@ def test_per_member_noise_and_x0_decoding():
     sigmas, gens = sigma_schedule(4, 3.0), lambda: [torch.Generator().manual_seed(b) for b in range(2)]
     net = lambda x, s, i: 0.5 * x + 0.1
     noise = torch.randn(2, 3, 6)  # (B, G, ...): one initial noise per member
-    out = trajectories(noise, sigmas, gens(), sde_steps=[0, 1], member_noise=True, net=net)
+    out = trajectories(noise, sigmas, gens(), sde_steps=[0, 1], per_member_noise=True, net=net)
     torch.testing.assert_close(out.start_latents[:, 0], noise)  # step 0 of each member starts from its own noise
     # x0 decoding: the last step's x0_hat = x - sigma v instead of its noisy sample
     sample = trajectories(noise[:, 0], sigmas, gens(), sde_steps=[3], net=net)

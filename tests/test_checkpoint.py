@@ -1,4 +1,4 @@
-"""The run folder on disk (checkpoint.py): the output-folder lock held by real processes, checkpoints written by
+"""The run folder on disk (lab/checkpoint.py): the output-folder lock held by real processes, checkpoints written by
 `save` from a real tiny FluxTransformer2DModel and AdamW then damaged on disk, and the metrics file.
 
     python -m pytest -q tests/test_checkpoint.py

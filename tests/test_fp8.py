@@ -32,7 +32,7 @@ def trajectories(ode_elsewhere):
     return rollout
 
 
-rollout_full_sde, rollout_mixed = trajectories(False), trajectories(True)
+whole_sde_rollout, window_rollout = trajectories(False), trajectories(True)
 
 
 class Recorder:
@@ -64,8 +64,8 @@ def test_only_the_trained_steps_run_on_the_policy(sampling):
     image-only one. The log-probs the update divides by are the policy's at the stored start latents (which the
     copy's untrained steps before them may have moved), as the update recomputes them: its first ratio is 1."""
     fp8 = Recorder(-0.45)  # another model: its forwards move the images, not the trained steps
-    fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2])), "full": (rollout_full_sde, {}),
-                   "mixed": (rollout_mixed, {})}[sampling]
+    fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2])), "full": (whole_sde_rollout, {}),
+                   "mixed": (window_rollout, {})}[sampling]
     steps = [1, 3]
     sigmas, plain, split, trained = rollouts(fn, fp8, sde_steps=steps, **options)
     rows = 2 if sampling == "g2rpo" else 6  # the anchor (B rows), or every member's trajectory (B * G)
@@ -88,7 +88,7 @@ def test_the_same_function_for_both_is_the_rollout_without_one(sampling):
     """image_only_fn set to velocity_fn itself gives the rollout without image_only_fn, bit for bit, forwards and
     calls included: the split adds no arithmetic. (That the bf16 path equals the code before the split was checked
     by running both commits: docs/performance.md, "FP8 rollouts".)"""
-    fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2, 3])), "full": (rollout_full_sde, {})}[sampling]
+    fn, options = {"g2rpo": (rollout_g2rpo, dict(granularities=[1, 2, 3])), "full": (whole_sde_rollout, {})}[sampling]
     velocity = Recorder(-0.5)
     _, plain, split, _ = rollouts(fn, velocity, trained=velocity, sde_steps=[0, 2], **options)
     for name in ("start_latents", "next_latents", "old_log_probs", "final_latents"):
@@ -160,7 +160,7 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     prompts = ["a red circle on the left", "a blue bar on the top"]
     lines = []
     check = train.FirstUpdateChecks(args, policy, sigmas, lines.append)
-    method = METHODS[args.method].from_flags(args)
+    method = train.method_of(args)
     metrics = train.iteration(args, 0, method, policy, reward_models, prompts, sigmas, 0, 1, False, check)
     for hook in hooks:
         hook.remove()

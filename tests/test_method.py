@@ -203,7 +203,8 @@ def test_sde_kl_equals_torch_kl_and_vanishes_at_the_base():
         std = std_dev * math.sqrt(-dt)
         expected = torch.distributions.kl_divergence(torch.distributions.Normal(mean(v), std),
                                                      torch.distributions.Normal(mean(v_ref), std)).mean(1)
-        torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, sde_std_dev(sigmas, i, 0.7)), expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sde_kl(v, v_ref, sigmas, i, sde_std_dev(sigmas, i, 0.7)), expected, atol=1e-5,
+                                   rtol=1e-4)
     assert torch.equal(sde_kl(v, v, sigmas, 2, sde_std_dev(sigmas, 2, 0.7)), torch.zeros(2))
 
 

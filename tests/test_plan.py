@@ -13,7 +13,6 @@ import re
 import pytest
 
 from lab import flags
-from methods import METHODS
 from tools import plan
 
 TOLERANCE = 0.02
@@ -140,7 +139,7 @@ def test_the_rollouts_storage_is_fake_too():
     gens = train.generators(args.seed, 0, range(2))
     noise = torch.randn(2, 16, 8)  # (B, L, C): any latent shape; the velocity is zeros
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    method = METHODS[args.method].from_flags(args)
+    method = flags.method_of(args)
     storage, calls = plan.rollout_storage(method, noise, sigmas, gens, method.trained_steps(0),
                                           FakeTensorMode(allow_non_fake_inputs=True))
     rollout = storage["rollout"]
@@ -180,7 +179,7 @@ def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():
     assert len(items) == 96 and len(chosen) == 48 and [p // 100 for p in chosen].count(3) == 12
     assert items[:48] == [(p, 0) for p in chosen]  # seed-major, as the grids expect
     zero = lambda x, sigma, index: torch.zeros_like(x)
-    rollout = METHODS[args.method].from_flags(args).rollout(
+    rollout = flags.method_of(args).rollout(
         zero, torch.zeros(1, 4), sigma_schedule(args.num_steps, args.shift), [torch.Generator()], args.sde_steps)
     evaluations = len({0, args.num_iterations, *range(args.eval_every, args.num_iterations, args.eval_every)})
     share = evaluations * len(items) * args.num_steps / (args.num_iterations * rollout.nfe)

@@ -83,7 +83,7 @@ def zero_velocity(x, sigma, idx):
 def zero_rollout(a, it):
     """The rollout of iteration `it` of the method of the parsed flags `a` with a zero velocity, every call as large
     as it needs: the forwards it costs (`nfe`, `calls`), for `a.prompts_per_iteration` prompts (at least one)."""
-    method = dataclasses.replace(METHOD_CLASSES[a.method].from_flags(a), max_batch=10**6)
+    method = dataclasses.replace(flags.method_of(a), max_batch=10**6)
     prompts = a.prompts_per_iteration or 1
     noise = torch.zeros(prompts, 1) if method.same_noise else torch.zeros(prompts, a.group_size, 1)  # the shape
     return method.rollout(zero_velocity, noise, sigma_schedule(a.num_steps, a.shift),

@@ -72,7 +72,6 @@ from lab.kernels import fp8_sharding_problem, sdpa_backends
 from lab.models import ADAPTERS
 from lab.checkpoint import EXPORT_SHARD_BYTES
 from lab.flags import fail
-from methods import METHODS
 from sampler import sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -577,7 +576,7 @@ def _plan(args, fake, log, mesh=None):
     world = args.gpus
     B = args.global_batch(world) // world  # prompts per rank
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    method = METHODS[args.method].from_flags(args)
+    method = flags.method_of(args)
     steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = train.generators(args.seed, 0, range(B))
