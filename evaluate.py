@@ -195,6 +195,10 @@ def settings_for(args, config: dict, fallback: dict) -> dict:
 def check_settings(s: dict, where: str):
     from lab.models import RESOLUTION_MULTIPLE
 
+    family = flags.folder_family(s["model_path"]) if s["model"] != "tiny" and s["model_path"] else None
+    if family and family != s["model"]:
+        fail(f"{where}: model_path '{s['model_path']}' is a {family} folder, not a {s['model']} one; pass --model "
+             f"{family}, or a {s['model']} folder as --model-path")
     multiple = RESOLUTION_MULTIPLE[s["model"]]
     if s["num_steps"] < 1 or s["max_sequence_length"] < 1 or not s["guidance"] >= 0 or not s["shift"] > 0:
         fail(f"{where}: num_steps and max_sequence_length must be >= 1, guidance >= 0 and shift > 0 (got {s})")
@@ -565,6 +569,7 @@ def save_image(output_dir, row_name, item, image):
 
 
 def main(argv=None):
+    flags.refuse_repeats(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     results = compare(args)
     import torch.distributed as dist

@@ -297,7 +297,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
             return
     bar.close()
-    if run.optimizer_steps == 0:
+    if run.optimizer_steps == 0 and run.skipped_steps:  # (MixGRPO's empty window trains nothing, and is no fault)
         raise SystemExit(f"error: no optimizer step succeeded in iterations {start}..{args.num_iterations}; "
                          f"nothing was learned (see faults/* in metrics.jsonl)")
     if distributed:
@@ -495,6 +495,8 @@ def main(args) -> bool:
     prompts, eval_prompts, reward_weights = validate(args, world, log)
     run = Run(args, rank, world, distributed, log)
     config = dataclasses.asdict(args)
+    if os.path.isdir(args.model_path):  # recorded as a path that reads the same from any folder (evaluate.py, resume)
+        config["model_path"] = os.path.abspath(args.model_path)
     try:
         resume_from = run.open(config) if master else None
         if distributed:

@@ -741,10 +741,12 @@ def export_command(path, log=print):
     problem = verify(path)
     if problem:
         stop(f"checkpoint {path} is damaged ({problem}); nothing was exported: export an older checkpoint")
-    fd = os.open(os.path.abspath(path) + ".export.lock", os.O_RDWR | os.O_CREAT, 0o644)  # beside, not inside it
+    lock = os.path.abspath(path) + ".export.lock"  # beside the checkpoint, not inside it
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(fd)
         stop(f"another export of {path} is running; wait for it to end")
     try:
         export(path, log)
@@ -756,6 +758,8 @@ def export_command(path, log=print):
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         stop(f"exporting {path} failed ({reason}); its files are as they were")
     finally:
+        with contextlib.suppress(OSError):
+            os.remove(lock)  # still held: no other export has it, and none is left behind for rotation to orphan
         os.close(fd)
 
 

@@ -385,6 +385,29 @@ def _given(argv, name: str) -> bool:
     return any(a.split("=", 1)[0] in spelled for a in argv)
 
 
+# flags of an earlier version, whose algorithm axes each method now fixes as its authors run it
+REMOVED = {
+    "--sampling": "use --method full-sde for whole SDE trajectories, or a peer's --method (docs/methods.md)",
+    **{name: "each method now runs its own, as its authors do; choose the --method (docs/methods.md)"
+       for name in ("--sde-type", "--decode", "--adv-std", "--same-noise", "--no-same-noise", "--kl-form",
+                    "--reward-fusion", "--window-schedule")},
+}
+
+
+def refuse_repeats(argv):
+    """A flag given twice is refused in one line: its parser would silently keep the last (of a list flag, the last
+    list). `--no-x` counts as `--x`."""
+    seen = set()
+    for a in argv:
+        if a.startswith("--"):
+            name = a.split("=", 1)[0]
+            name = "--" + name[len("--no-"):] if name.startswith("--no-") else name
+            if name in seen:
+                fail(f"{name} is given twice; give it once (a list flag takes all its values after one {name}: "
+                     f"{name} A B)")
+            seen.add(name)
+
+
 def _choice(argv, name: str, default: str) -> str:
     for i, a in enumerate(argv):
         if a == name and i + 1 < len(argv):
@@ -399,6 +422,7 @@ def parse_args(argv=None, base=None):
     --help shows the resulting values). `base`: a dataclass derived from TrainArgs, for a script that takes these
     flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
+    refuse_repeats(argv)
     model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
@@ -412,6 +436,13 @@ def parse_args(argv=None, base=None):
                 fail(f"{flag(name)} is a flag of --method {other}, not of --method {method}; drop it, or use "
                      f"--method {other}")
     cls = args_class(method, base)
+    known = {spelling for f in dataclasses.fields(cls) for spelling in (flag(f.name), "--" + f.name,
+                                                                         "--no-" + f.name.replace("_", "-"))}
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and name not in known | {"--help"}:
+            fail(f"unknown flag {name}" + (f": {REMOVED[name]}" if name in REMOVED else
+                                            f" for --method {method}; see python train.py --method {method} --help"))
     args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method)),
                     description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
     # the recipe's values that follow N, for the N this run has (a --num-steps given), unless given themselves
@@ -481,7 +512,8 @@ RULES = {
     "first_eval_seeds": at_least(0, " (0 = --final-eval-seeds)"),
     "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
     "keep_checkpoints": at_least(0, " (0 = keep all)"),
-    "seed": at_least(0), "dist_timeout_minutes": above(0),
+    "seed": ((lambda v: 0 <= v <= 10**9), "in 0..1000000000 (it keys every noise generator, which must not overflow)"),
+    "dist_timeout_minutes": above(0),
 }
 
 
@@ -612,6 +644,10 @@ def check_flags(args, world: int, log=print):
         fail(f"--guidance {args.guidance}: '{args.model_path}' is a distilled FLUX.2 klein, which samples without "
              f"guidance (its pipeline ignores the value); use --guidance 0, or a base (non-distilled) model")
     family = folder_family(args.model_path) if args.model != "tiny" else None
+    named = _model_index(args.model_path).get("_class_name") if args.model != "tiny" else None
+    if named and family is None:  # a variant (an image-to-image pipeline, say) of no family here
+        fail(f"--model-path '{args.model_path}' holds a {named} (its model_index.json), which no --model trains; "
+             f"pass a folder of one of: {', '.join(sorted(set(PIPELINES.values())))}")
     if family and family != args.model:
         fail(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "
              f"{PIPELINES[family]}); use --model {family}, or a {args.model} folder")

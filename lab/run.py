@@ -189,6 +189,7 @@ class Run:
         self.metrics_path = os.path.join(self.out, "metrics.jsonl")
         self.lock, self.tracker = None, None
         self.stop_requested, self.faults, self.optimizer_steps, self.warned_skip = False, 0, 0, False
+        self.skipped_steps = 0  # optimizer steps skipped for a fault (an empty MixGRPO window skips none)
         self.stopped_at = None  # the iteration whose checkpoint a requested stop wrote
         self._previous_handlers = {}
 
@@ -247,10 +248,12 @@ class Run:
         return [name for name in RUN_FILES if os.path.lexists(os.path.join(self.out, name))]
 
     def holds_a_run(self) -> bool:
-        """Whether the folder holds a run's files: its config, metrics, or any checkpoint (even without a config)."""
+        """Whether the folder holds a run's files: its config, metrics, or a checkpoint of a run (iter_N, even
+        without a config). Other files in checkpoints/ (the user's own) do not make it a run: --resume must never
+        take a folder of someone else's files for its own and clear them."""
         checkpoints = os.path.join(self.out, "checkpoints")
         return (any(os.path.exists(os.path.join(self.out, name)) for name in ("config.json", "metrics.jsonl"))
-                or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+                or (os.path.isdir(checkpoints) and any(re.match(r"iter_\d+", n) for n in os.listdir(checkpoints))))
 
     def resumed_flags(self, saved: dict, current: dict, optimizer):
         """On resume, every flag is applied, refused or reported: the configuration's keys (flags.resume_keys) were
@@ -356,6 +359,7 @@ class Run:
         """Count this iteration's faults (the first skipped step warns); returns whether it was faulty."""
         skipped, nonfinite = metrics["faults/skipped_steps"], metrics["faults/nonfinite_rewards"]
         self.optimizer_steps += metrics.get("perf/optimizer_steps", 0)
+        self.skipped_steps += skipped
         faulty = skipped > 0 or nonfinite > 0
         if skipped > 0 and not self.warned_skip:
             self.warned_skip = True
@@ -423,6 +427,12 @@ class Run:
             self.tracker.images(shown, captions[:n], iteration, nrow)
 
     def summary(self, before: dict, after: dict, reward_names):
+        """The closing lines: the held-out rewards and success rates before and after, and the before/after grid."""
+        first = self.args.first_eval_seeds or self.args.final_eval_seeds or self.args.eval_seeds
+        last = self.args.final_eval_seeds or self.args.eval_seeds
+        if first != last:
+            self.log(f"note: the first evaluation scored {first} seeds a prompt and the last {last}: other images, so "
+                     f"the change below mixes their noise with what was learned; evaluate.py scores both on the same")
         parts = []
         for name in reward_names:
             b, a = before.get(f"eval/reward/{name}"), after.get(f"eval/reward/{name}")

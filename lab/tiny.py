@@ -393,11 +393,14 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
         fail(f"--tiny-cache '{cache_dir}' is not writable ({err.strerror}); pass a folder you can write to")
     log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")
     pipe = _pretrain(seed, vae_steps, flow_steps, log)
-    tmp = folder + ".tmp"
+    tmp = f"{folder}.tmp-{os.getpid()}"  # each build its own: two processes may build one cache at once
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
     with open(os.path.join(tmp, "checksum.json"), "w") as f:
         json.dump({"sha256": _digest(tmp)}, f)
     shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another build finished first (the same seed and recipe: the same model): keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_bench.py
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -103,3 +104,34 @@ def test_the_default_rows_and_the_peers():
     assert bench.chosen_rows(bench.Args(methods=("DanceGRPO",))) == [bench.G2RPO_ROW, "DanceGRPO"]
     assert bench.chosen_rows(bench.Args(methods=(bench.NO_LEARNING,), peers=True)) == [
         bench.G2RPO_ROW, *bench.PEERS, bench.NO_LEARNING]
+
+
+def test_a_stopped_run_is_never_reported(tmp_path):
+    """train.py exits 0 from a graceful stop: the bench counts a run only if its metrics reach its last iteration,
+    and a damaged marker or a cut line means it runs again."""
+    argv = ["--model", "tiny", "--num-iterations", "4", "--output-dir", str(tmp_path)]
+    (tmp_path / "bench_run.json").write_text(json.dumps({"argv": argv}))
+    rows = [{"iteration": i} for i in range(3)]  # stopped after iteration 2 of 4
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not bench._finished(argv, str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [{"iteration": 4}]))
+    assert bench._finished(argv, str(tmp_path))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 5, "perf/n')  # cut short
+    assert not bench._finished(argv, str(tmp_path))
+    (tmp_path / "bench_run.json").write_text("{not json")
+    assert not bench._finished(argv, str(tmp_path))
+
+
+def test_the_bench_checks_its_own_flags(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for args, words in [(bench.Args(parts=(4,)), "--parts"), (bench.Args(seeds=0), "--seeds 0"),
+                        (bench.Args(jobs=-1), "--jobs -1"), (bench.Args(budget_nfe=1), "--budget-nfe 1"),
+                        (bench.Args(output_dir=str(a_file)), "is a file")]:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(args)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and words in err and "\n" not in err, err
+    parsed = bench.parse(["--extra", "--max-batch", "64", "--seeds", "2"])  # as --help shows it
+    assert parsed.extra == ("--max-batch", "64") and parsed.seeds == 2

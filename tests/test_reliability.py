@@ -60,6 +60,12 @@ BAD_INPUTS = [
     (["--rewards", "shapes=nan"], "finite"),
     (["--rewards", "shapes=0"], "0"),
     (["--reward-frames", "4"], "is for video models (--model wan, wan22)"),
+    (["--seed", "2147483647"], "--seed 2147483647: must be in 0..1000000000"),
+    (["--rewards", "shapes=1.0", "--rewards", "shapes=-1.0"], "--rewards is given twice"),
+    (["--sde-steps", "0", "--sde-steps", "1"], "--sde-steps is given twice"),
+    (["--window-schedule", "random"], "unknown flag --window-schedule: each method now runs its own"),
+    (["--sampling", "full"], "unknown flag --sampling: use --method full-sde"),
+    (["--window-end", "5"], "--window-end is a flag of --method flow-grpo-fast, not of --method g2rpo"),
 ]
 
 
@@ -526,3 +532,96 @@ def test_prompt_files_a_bom_a_control_character_and_a_fifo(base, capsys, tmp_pat
     os.mkfifo(fifo)
     expect_error(capsys, [*base, "--eval-prompt-file", str(fifo)], "is a named pipe (FIFO)")
     expect_error(capsys, [*base, "--prompt-file", "/dev/null"], "is a device")
+
+
+# ---------------------------------------------------------------- round five
+
+
+def test_a_folder_of_foreign_files_is_never_wiped(flux_path, tmp_path, capsys):
+    """A folder whose checkpoints/ holds the user's own files is no run: a fresh run and a --resume are both
+    refused, and nothing in it is removed (--resume once took it for a run and cleared wandb/ and samples/)."""
+    out = tmp_path / "d"
+    for folder in ("checkpoints", "wandb/offline-run-x", "samples"):
+        (out / folder).mkdir(parents=True)
+    for name in ("checkpoints/model.pt", "samples/mine.png", "wandb/offline-run-x/run.wandb"):
+        (out / name).write_text("mine")
+    argv = ["--model", "flux", "--model-path", flux_path, "--output-dir", str(out), "--lora-rank", "4", *QUICK]
+    for extra in ([], ["--resume"]):
+        expect_error(capsys, [*argv, *extra], "which a new run would replace; pass --overwrite")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "checkpoints/model.pt", "samples/mine.png", "wandb/offline-run-x/run.wandb"]
+
+
+def test_good_input_once_refused_runs(flux_path, tmp_path, monkeypatch):
+    """G2RPO with fewer steps than a peer's window; a relative model folder, recorded as an absolute one so that the
+    run's folder reads the same from anywhere (evaluate.py, a resume from another directory)."""
+    flags.check_flags(flags.parse_args(["--model", "flux2", "--num-steps", "3"]), world=1)
+    flags.check_flags(flags.parse_args(["--model", "tiny", "--num-steps", "2", "--sde-steps", "0"]), world=1)
+    monkeypatch.chdir(os.path.dirname(flux_path))
+    out = str(tmp_path / "run")
+    run_train(["--model", "flux", "--model-path", os.path.basename(flux_path), "--output-dir", out, "--lora-rank", "4",
+               "--num-iterations", "1", "--eval-every", "100", *QUICK])
+    assert json.load(open(os.path.join(out, "config.json")))["model_path"] == flux_path
+
+
+def test_a_pipeline_of_no_family_is_named(tmp_path, capsys):
+    variant = tmp_path / "img2img"
+    variant.mkdir()
+    (variant / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Img2ImgPipeline"}))
+    expect_error(capsys, ["--model", "sd3", "--model-path", str(variant), "--output-dir", str(tmp_path / "run"),
+                          *QUICK], "holds a StableDiffusion3Img2ImgPipeline (its model_index.json), which no --model")
+
+
+def test_evaluate_names_a_folder_of_another_family(sd3_path, capsys):
+    import evaluate
+
+    settings = {**evaluate.family_defaults("flux"), "model": "flux", "model_path": sd3_path}
+    with pytest.raises(SystemExit):
+        evaluate.check_settings(settings, "base")
+    err = capsys.readouterr().err.strip()
+    assert "is a sd3 folder, not a flux one; pass --model sd3" in err and "\n" not in err
+    with pytest.raises(SystemExit):  # a repeated --checkpoint kept only the last
+        evaluate.main(["--model", "tiny", "--checkpoint", "A", "--checkpoint", "B"])
+    assert "--checkpoint is given twice" in capsys.readouterr().err
+
+
+def test_the_closing_lines_say_when_the_evaluations_differ(tmp_path):
+    from lab.run import Run
+
+    lines = []
+    args = flags.parse_args(["--model", "tiny", "--first-eval-seeds", "60", "--output-dir", str(tmp_path)])
+    Run(args, 0, 1, False, lines.append).summary({"eval/reward/shapes": 0.1730}, {"eval/reward/shapes": 0.1673},
+                                                 ["shapes"])
+    assert lines[0].startswith("note: the first evaluation scored 60 seeds a prompt and the last 96: other images")
+
+
+def test_hpdv2_prompts_lose_their_control_characters():
+    from tools import hpdv2
+
+    records = [{"prompt": "a cat\x00 on a\x1b[31m mat"}, {"prompt": "a cat on a [31m mat"}]
+    assert hpdv2.unique_prompts(records, "test") == ["a cat on a [31m mat"]
+
+
+def test_two_builds_of_one_tiny_cache_both_succeed(tmp_path):
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from lab import tiny; "
+            "print(tiny.ensure_pretrained(sys.argv[1], seed=5, vae_steps=2, flow_steps=2, log=lambda *a: None))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ROOT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1 and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_resume_into_mixgrpos_empty_window_is_no_fault(tiny_cache, tmp_path):
+    """--window-stride 6 --window-every 1 at N 8: iteration 1's window is empty (start N - 2), by design."""
+    out = str(tmp_path / "run")
+    common = ["--model", "tiny", "--tiny-cache", tiny_cache, "--method", "mixgrpo", "--window-stride", "6",
+              "--window-every", "1", "--prompts-per-iteration", "2", "--group-size", "4", "--eval-every", "100",
+              "--eval-prompts", "2", "--eval-seeds", "1", "--final-eval-seeds", "1", "--checkpoint-every", "1",
+              "--output-dir", out]
+    run_train([*common, "--num-iterations", "1"])
+    proc = run_train([*common, "--num-iterations", "2", "--resume"], check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows[-1]["iteration"] == 2 and rows[-1]["perf/optimizer_steps"] == 0

@@ -205,6 +205,7 @@ def check_sharded_checkpoints(common, one, two, tmp_path):
             else:
                 close(resumed, uninterrupted)
     checkpoint.export_command(first, log=lambda *_: None)  # `python -m lab.checkpoint export`, in this process
+    assert not os.path.exists(first + ".export.lock")  # the export leaves nothing beside the checkpoint
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     exported = FluxTransformer2DModel.from_pretrained(os.path.join(first, "transformer"))

@@ -390,9 +390,19 @@ def _finished(argv, out):
     to the size of the first evaluation, which does not change the training (runs of an older bench count)."""
     try:
         with open(os.path.join(out, "bench_run.json")) as f:
-            return _training_flags(json.load(f)["argv"]) == _training_flags(argv)
-    except (OSError, ValueError, KeyError):
+            return _training_flags(json.load(f)["argv"]) == _training_flags(argv) and _complete(argv, out)
+    except (OSError, ValueError, KeyError, TypeError):  # no marker, a damaged one: run it again
         return False
+
+
+def _complete(argv, out):
+    """Whether the run in `out` reached its last iteration: train.py exits 0 from a graceful stop too, short of it."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            last = json.loads(f.readlines()[-1])
+    except (OSError, ValueError, IndexError):  # none, or a line cut short
+        return False
+    return isinstance(last, dict) and last.get("iteration") == flags.parse_args(argv).num_iterations
 
 
 def _training_flags(argv):
@@ -420,6 +430,9 @@ def _run_all(todo, jobs):
                 raise SystemExit(f"error: {name} seed {seed} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
         else:
             _train(argv)
+        if not _complete(argv, out):  # stopped by a signal: its folder is kept for nothing, and never reported
+            raise SystemExit(f"error: {name} seed {seed} stopped before its last iteration; rerun the same command "
+                             f"to continue (finished runs are kept)")
         with open(os.path.join(out, "bench_run.json"), "w") as f:
             json.dump({"argv": run[2]}, f)
         print(f"  done: {name}, seed {seed}", flush=True)
@@ -511,7 +524,26 @@ def _plot(curves, path):
     print(f"plot: {path}")
 
 
+def check(args: Args):
+    """The bench's own flags, each a one-line error (exit 2) before anything runs."""
+    problem = next((message for bad, message in [
+        (not args.parts or not set(args.parts) <= {1, 2, 3}, f"--parts {args.parts}: choose among 1 2 3"),
+        (args.seeds < 1, f"--seeds {args.seeds}: use 1 or more"),
+        (args.jobs < 0, f"--jobs {args.jobs}: use 0 (one at a time in this process) or more"),
+        (args.budget_nfe < 2 * 8 * 8 * 8, f"--budget-nfe {args.budget_nfe}: too small for two iterations of any "
+                                          f"row; use at least 1024 (the default 80,000)"),
+        (min(args.eval_seeds, args.final_eval_seeds, args.prompts_per_iteration, args.speed_group_size - 1) < 1,
+         "--eval-seeds, --final-eval-seeds and --prompts-per-iteration must be >= 1, --speed-group-size >= 2"),
+        (os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir),
+         f"--output-dir '{args.output_dir}' is a file; pass a folder"),
+    ] if bad), None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(args: Args):
+    check(args)
     if args.quick:  # 128 NFE: every row at its floor of 2 iterations
         args.seeds, args.budget_nfe, args.jobs, args.eval_seeds, args.final_eval_seeds = 2, 128, 0, 1, 1
         args.speed_group_size = 4
@@ -530,5 +562,17 @@ def main(args: Args):
     return out
 
 
+def parse(argv) -> Args:
+    """The command line. `--extra --max-batch 64`, as its help shows it: tyro would take a value starting with -- for a
+    flag, so --extra's values (up to the next flag of the bench's own) are gathered here and handed over as one."""
+    extra = []
+    if "--extra" in argv:
+        at = argv.index("--extra")
+        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--") and argv[i][2:].replace("-", "_")
+                    in Args.__dataclass_fields__), len(argv))
+        argv, extra = argv[:at] + argv[end:], argv[at + 1 : end]
+    return tyro.cli(Args, args=argv, default=Args(extra=tuple(extra)))
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse(sys.argv[1:]))

@@ -30,14 +30,16 @@ class PromptFileError(Exception):
 
 
 def unique_prompts(records, source: str) -> list[str]:
-    """The `prompt` of every record, whitespace collapsed, empty ones dropped, each once in first-seen order."""
+    """The `prompt` of every record, whitespace collapsed, empty ones dropped, each once in first-seen order. A control
+    character (a NUL, an escape: a few HPDv2 prompts hold them) becomes a space, since train.py refuses them."""
     if not isinstance(records, list):
         raise PromptFileError(f"{source} is not a JSON list of records; is it an HPDv2 annotation file?")
     seen = {}
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise PromptFileError(f"record {i} of {source} has no 'prompt' string; is it an HPDv2 annotation file?")
-        prompt = " ".join(record["prompt"].split())
+        text = "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in record["prompt"])
+        prompt = " ".join(text.split())
         if prompt:
             seen.setdefault(prompt, None)
     return list(seen)

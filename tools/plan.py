@@ -645,9 +645,10 @@ def _plan(args, fake, log, mesh=None):
         update_cost = measure(update, resident_cond + rollout_tensors, fsdp)
         starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
-        rows.append(Row(f"update: {len(steps)} steps x {chunks} chunk{'s' * (chunks > 1)} of "
+        epochs = f" x {args.inner_epochs} inner epochs" if args.inner_epochs > 1 else ""
+        rows.append(Row(f"update: {len(steps)} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of "
                         f"{min(starts, args.max_batch)}, fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
-                        update_cost, len(steps)))
+                        update_cost, len(steps) * args.inner_epochs))
         log(f"update simulated ({time.time() - started:.0f} s)")
 
         # 5. evaluation, one micro-batch of train.held_out_eval: encode, sample, decode + score
