@@ -667,6 +667,12 @@ def check_flags(args, world: int, log=print):
              f"use e.g. g2rpo")
     if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
         fail(f"--log-with {args.log_with} needs its package: pip install -r requirements.txt")
+    if args.log_with != "none":  # installed but broken (a stub, a half-removed package): now, not after the models load
+        try:
+            importlib.import_module("torch.utils.tensorboard" if args.log_with == "tensorboard" else "wandb")
+        except Exception as err:
+            fail(f"--log-with {args.log_with}: its package does not import ({type(err).__name__}: "
+                 f"{str(err).splitlines()[0] if str(err) else ''}); reinstall it: pip install -r requirements.txt")
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
         fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
              f"pass the folder holding model_index.json")

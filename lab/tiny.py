@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import torch
 
@@ -392,7 +393,12 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
 
         fail(f"--tiny-cache '{cache_dir}' is not writable ({err.strerror}); pass a folder you can write to")
     log(f"tiny: pre-training the tiny model (once; cached in {folder}, change with --tiny-cache)")
-    pipe = _pretrain(seed, vae_steps, flow_steps, log)
+    try:
+        pipe = _pretrain(seed, vae_steps, flow_steps, log)
+    except KeyboardInterrupt:  # one line, not the training loop's traceback
+        print("stopped during the tiny model's pre-training; nothing was cached, so the next run starts it again",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     tmp = f"{folder}.tmp-{os.getpid()}"  # each build its own: two processes may build one cache at once
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
