@@ -40,8 +40,8 @@ import rewards
 from g2rpo import update_loss
 from lab.flags import changed_from_preset, fail, method_of, parse_args, validate, warn_long_prompts
 from lab.models import ADAPTERS, ModelLoadError, add_lora
-from lab.run import (EMA, GRID_IMAGES, Preempted, Ranks, Run, all_max, all_mean, any_rank, backend, checked,
-                     eval_noise_generator)
+from lab.run import (EMA, GRID_IMAGES, Preempted, Ranks, Run, UpdateCut, all_max, all_mean, any_rank, backend,
+                     checked, eval_noise_generator)
 from methods import step_credit
 from sampler import ode_sample, sigma_schedule
 
@@ -261,9 +261,22 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                dynamic_ncols=True)
     metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
     for it in bar:
+        run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
         try:
             metrics = iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
                                 check, run.check_stop)
+        except UpdateCut as cut:  # during the update, at an optimizer step: the weights are partly iteration it + 1's
+            bar.close()
+            if it > saved:  # the state of iteration `it` is gone from memory: these weights, cut short, stand for it
+                save(it)
+                line = (f"the checkpoint of iteration {it} is written with the first {cut.steps} optimizer steps of "
+                        f"iteration {it + 1} in it (which reruns in full on --resume)")
+            else:  # the state of iteration `it` is on disk already: nothing to write
+                line = (f"the checkpoint of iteration {it} on disk is kept and its {cut.steps} optimizer steps "
+                        f"dropped (iteration {it + 1} reruns on --resume)")
+            run.stopped(it, f"stopped during iteration {it + 1}'s update, after {cut.steps} optimizer steps; {line}; "
+                            f"continue with the same command plus --resume")
+            return
         except Preempted:  # during the rollout or its scoring: the weights are still those of iteration `it`
             bar.close()
             if it > saved:
@@ -540,6 +553,9 @@ def main(args) -> bool:
             run.begin(config, fresh=not resume_from)
         run.open_tracker(config, start)
         run.catch_signals()
+        if distributed:  # under torchrun a stop cuts a long update short (its grace); one process finishes it, so
+            run.stop_between_steps(policy.optimizer)  # that its resume equals the uninterrupted run
+        run.steps_taken = 0
         train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed)
         if distributed:
             dist.barrier()  # leave together: a rank tearing down its process group early can abort another

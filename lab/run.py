@@ -166,6 +166,16 @@ class Preempted(Exception):
     in flight has changed the weights, so the run stops there and saves the last completed iteration."""
 
 
+class UpdateCut(Exception):
+    """A stop was asked during an update (`Run.stop_between_steps`): the update stopped after `steps` optimizer steps,
+    at a boundary where the weights and the optimizer state agree, so the run stops there at once rather than after
+    the whole update (an update of a full fine-tune, or of many inner epochs, can outlast a scheduler's grace)."""
+
+    def __init__(self, steps: int):
+        super().__init__(steps)
+        self.steps = steps
+
+
 def checked(check_stop, fn):
     """`fn`, calling `check_stop` (Run.check_stop, or nothing) before each call."""
     def call(*args):
@@ -190,6 +200,7 @@ class Run:
         self.lock, self.tracker = None, None
         self.stop_requested, self.faults, self.optimizer_steps, self.warned_skip = False, 0, 0, False
         self.skipped_steps = 0  # optimizer steps skipped for a fault (an empty MixGRPO window skips none)
+        self.cuts_updates = False  # whether a stop cuts an update at its next optimizer step (stop_between_steps)
         self.stopped_at = None  # the iteration whose checkpoint a requested stop wrote
         self._previous_handlers = {}
 
@@ -315,9 +326,23 @@ class Run:
                 os._exit(130)
             raise SystemExit(130)
         self.stop_requested = True
+        update = "at the next optimizer step of the update" if self.cuts_updates else "after the update"
         self.log(f"\nreceived signal {signum}: stopping at the next transformer call or reward batch of the rollout "
-                 f"(which is dropped and reruns on --resume), or after the update, and saving a checkpoint (send it "
-                 f"again to abort without saving)")
+                 f"(which is dropped and reruns on --resume), or {update}, and saving a checkpoint (send it again to "
+                 f"abort without saving)")
+
+    def stop_between_steps(self, optimizer):
+        """After every optimizer step, raise UpdateCut once a stop was asked on any rank. Every rank takes the same
+        steps (the gradient norm that decides a skip is all-reduced), so all ranks cut the update at the same one.
+        `steps_taken` counts the steps since it was last set to 0 (train.py: at each iteration)."""
+        self.steps_taken, self.cuts_updates = 0, True
+
+        def after_step(*_):
+            self.steps_taken += 1
+            if self.should_stop():
+                raise UpdateCut(self.steps_taken)
+
+        optimizer.register_step_post_hook(after_step)
 
     def stopped(self, iteration: int, line: str):
         """The stop's checkpoint (of `iteration`) is written: say so (train.py then leaves with os._exit, since a

@@ -261,6 +261,33 @@ def test_torchrun_preemption_stops_within_a_grace_shorter_than_an_iteration(flux
     assert "SignalException" in stderr and "CheckpointException" not in stderr
 
 
+def test_torchrun_preemption_during_a_long_update_saves_within_the_grace(flux_path, tmp_path):
+    """A 2-rank full fine-tune whose update (20 inner epochs) outlasts torchrun's grace: a SIGTERM 2 s into it cuts
+    the update at the next optimizer step on both ranks, which save a verified checkpoint within the grace, the
+    update's steps so far in it (the iteration reruns on --resume)."""
+    out = str(tmp_path / "run")
+    args = ["--model", "flux", "--model-path", flux_path, "--num-iterations", "500", "--eval-every", "1000",
+            "--checkpoint-every", "1000", "--inner-epochs", "20", "--output-dir", out, *QUICK]
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            os.path.join(ROOT, "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    wait_for_iteration(os.path.join(out, "metrics.jsonl"), 1, job)  # iteration 2 has begun: its rollout is short
+    time.sleep(2.0)
+    signalled = time.time()
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert "Unable to shutdown process" not in stderr, stderr[-2000:]  # torchrun's line before its SIGKILL
+    stopped = re.search(r"stopped during iteration (\d+)'s update, after (\d+) optimizer steps", stdout)
+    assert stopped and 0 < int(stopped.group(2)) < 40, stdout[-2000:]
+    from lab import checkpoint
+
+    newest = checkpoint.latest_checkpoint(out)
+    assert checkpoint.verify(newest) is None and os.path.getmtime(newest) - signalled < 3.0
+    assert checkpoint.read_trainer_state(newest)["iteration"] == int(stopped.group(1)) - 1
+
+
 def test_second_sigterm_during_a_two_rank_save_exits_130_quietly(flux_path, tmp_path):
     """A cluster that signals every process (as SLURM does) sends a second SIGTERM while the ranks save: each rank
     exits at once, 130 (or 0 if it had finished), with no traceback, and the newest checkpoint is whole. The ranks

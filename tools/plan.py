@@ -680,7 +680,7 @@ def _plan(args, fake, log, mesh=None):
         notes.append(note)
     lora_grads = (sum(p.numel() * 4 for p in policy.params) if args.lora_rank and world > 1 else 0)
     notes.append(checkpoint_cost(args, policy, world))
-    notes.append(preemption_cost(args, rows, policy))
+    notes.append(preemption_cost(args, rows, policy, method.optimizer_steps(len(steps))))
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
     rollout_nfe = args.num_iterations * nfe * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
@@ -734,21 +734,26 @@ def checkpoint_cost(args, policy, world) -> str:
             f"gathered in its host memory; every rank reads it on resume")
 
 
-def preemption_cost(args, rows, policy) -> str:
+def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
     """How long a SIGTERM's stop takes (run.Run.check_stop): the rollout's transformer call or the reward batch in
-    flight, or at worst the update, which runs to its end; then one checkpoint's write. Nothing is staged in host
-    memory for it, and no disk is used for it between preemptions."""
+    flight; in the update, under torchrun (--gpus > 1) the optimizer step in flight (Run.stop_between_steps), in one
+    process the whole update, which runs to its end (its --inner-epochs counted); then one checkpoint's write.
+    Nothing is staged in host memory for it, and no disk is used for it between preemptions."""
     floor = lambda row, calls: row.cost.flops * calls / (args.peak_tflops * 1e12)
     rollout, reward, update = (next(r for r in rows if r.phase.startswith(name))
                                for name in ("rollout", "decode", "update"))
     call, batch, whole_update = floor(rollout, 1), floor(reward, 1), floor(update, update.calls)
-    worst = max(call, batch, whole_update)
+    cut = args.gpus > 1
+    in_update = whole_update / max(optimizer_steps, 1) if cut else whole_update
+    worst = max(call, batch, in_update)
     write = checkpoint_bytes(policy)[0] / (args.disk_gb_per_s * 1e9)
     verdict = "within" if worst + write <= args.grace_s else "beyond"
+    where = (f"at the next optimizer step of the update ({in_update:.1f} s, one of {optimizer_steps})" if cut else
+             f"at worst after the update ({whole_update:.1f} s)")
     return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or reward batch "
-            f"({batch:.1f} s), or at worst after the update ({whole_update:.1f} s), then writes one checkpoint "
-            f"({write:.0f} s): {worst + write:.0f} s at worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; "
-            f"real kernels run slower than the floor); no host memory or disk is used for it until then")
+            f"({batch:.1f} s), or {where}, then writes one checkpoint ({write:.0f} s): {worst + write:.0f} s at "
+            f"worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real kernels run slower than the floor); no "
+            f"host memory or disk is used for it until then")
 
 
 def args_eval_prompt_count(args):
