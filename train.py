@@ -271,9 +271,11 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                 save(it)
                 line = (f"the checkpoint of iteration {it} is written with the first {cut.steps} optimizer steps of "
                         f"iteration {it + 1} in it (which reruns in full on --resume)")
-            else:  # the state of iteration `it` is on disk already: nothing to write
-                line = (f"the checkpoint of iteration {it} on disk is kept and its {cut.steps} optimizer steps "
-                        f"dropped (iteration {it + 1} reruns on --resume)")
+            elif it:  # the state of iteration `it` is on disk already: nothing to write
+                line = (f"the checkpoint of iteration {it} on disk is kept and these steps dropped (iteration "
+                        f"{it + 1} reruns on --resume)")
+            else:
+                line = "no iteration was complete: nothing is saved"
             run.stopped(it, f"stopped during iteration {it + 1}'s update, after {cut.steps} optimizer steps; {line}; "
                             f"continue with the same command plus --resume")
             return

@@ -394,14 +394,22 @@ REMOVED = {
 }
 
 
-def refuse_repeats(argv):
-    """A flag given twice is refused in one line: its parser would silently keep the last (of a list flag, the last
-    list). `--no-x` counts as `--x`."""
+def refuse_repeats(argv, cls):
+    """A list flag of the dataclass `cls` given twice is refused in one line: its parser would silently keep the
+    last list. (A scalar flag given twice keeps the last, as command lines do, so a later flag overrides a script's.)"""
+    def is_list(t):  # through Annotated[...] and Optional[...]
+        origin = typing.get_origin(t)
+        if origin is Annotated or origin is typing.Union:
+            return any(is_list(arg) for arg in typing.get_args(t)[: 1 if origin is Annotated else None])
+        return origin in (list, tuple) or t in (list, tuple)
+
+    lists = {flag(f.name) for f in dataclasses.fields(cls) if is_list(f.type)}
+    lists |= {"--" + name[2:].replace("-", "_") for name in lists}  # tyro's other spelling
     seen = set()
     for a in argv:
-        if a.startswith("--"):
-            name = a.split("=", 1)[0]
-            name = "--" + name[len("--no-"):] if name.startswith("--no-") else name
+        name = a.split("=", 1)[0]
+        if name in lists:
+            name = flag(name[2:])
             if name in seen:
                 fail(f"{name} is given twice; give it once (a list flag takes all its values after one {name}: "
                      f"{name} A B)")
@@ -422,7 +430,6 @@ def parse_args(argv=None, base=None):
     --help shows the resulting values). `base`: a dataclass derived from TrainArgs, for a script that takes these
     flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    refuse_repeats(argv)
     model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
@@ -436,6 +443,7 @@ def parse_args(argv=None, base=None):
                 fail(f"{flag(name)} is a flag of --method {other}, not of --method {method}; drop it, or use "
                      f"--method {other}")
     cls = args_class(method, base)
+    refuse_repeats(argv, cls)
     known = {spelling for f in dataclasses.fields(cls) for spelling in (flag(f.name), "--" + f.name,
                                                                          "--no-" + f.name.replace("_", "-"))}
     for a in argv:

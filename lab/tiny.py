@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import sys
+import uuid
 
 import torch
 
@@ -373,21 +374,17 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
     """The folder of the pre-trained tiny pipeline for these settings, pre-training it first when it is missing
     or its files fail their checksum (a corrupted cache is rebuilt, never loaded)."""
     folder = os.path.join(os.path.abspath(cache_dir), f"tiny-v{VERSION}-seed{seed}-vae{vae_steps}-flow{flow_steps}")
-    checksum = os.path.join(folder, "checksum.json")
-    if os.path.exists(checksum):
-        try:
-            with open(checksum) as f:
-                if json.load(f).get("sha256") == _digest(folder):
-                    log(f"tiny: using the pre-trained model cached in {folder}")
-                    return folder
-        except (OSError, ValueError, AttributeError):  # an unreadable or damaged checksum file: rebuild too
-            pass
+    if os.path.exists(os.path.join(folder, "checksum.json")):
+        if _verified(folder):
+            log(f"tiny: using the pre-trained model cached in {folder}")
+            return folder
         log(f"tiny: the cache in {folder} fails its checksum; rebuilding it")
+    probe = os.path.join(cache_dir, f".writable-{uuid.uuid4().hex[:12]}")  # (another build may probe at once)
     try:  # before minutes of pre-training, not after
         os.makedirs(cache_dir, exist_ok=True)
-        with open(os.path.join(cache_dir, ".writable"), "w"):
+        with open(probe, "w"):
             pass
-        os.remove(os.path.join(cache_dir, ".writable"))
+        os.remove(probe)
     except OSError as err:
         from lab import fail
 
@@ -399,14 +396,26 @@ def ensure_pretrained(cache_dir: str, seed: int = 0, vae_steps: int = 200, flow_
         print("stopped during the tiny model's pre-training; nothing was cached, so the next run starts it again",
               file=sys.stderr)
         raise SystemExit(130) from None
-    tmp = f"{folder}.tmp-{os.getpid()}"  # each build its own: two processes may build one cache at once
+    tmp = f"{folder}.tmp-{uuid.uuid4().hex[:12]}"  # each build its own: two may build one cache at once
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
     with open(os.path.join(tmp, "checksum.json"), "w") as f:
         json.dump({"sha256": _digest(tmp)}, f)
-    shutil.rmtree(folder, ignore_errors=True)
+    if _verified(folder):  # another build finished first (the same seed and recipe: the same model): keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)  # (a damaged one)
     try:
         os.replace(tmp, folder)
-    except OSError:  # another build finished first (the same seed and recipe: the same model): keep its folder
+    except OSError:  # another build's rename came between
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _verified(folder) -> bool:
+    """Whether a cached folder's files match its checksum file (an unreadable or damaged one: no)."""
+    try:
+        with open(os.path.join(folder, "checksum.json")) as f:
+            return json.load(f).get("sha256") == _digest(folder)
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -244,6 +244,19 @@ QUICK_ANY = ["--resolution", "32", "--num-steps", "4", "--group-size", "3", "--s
 QUICK = [*QUICK_ANY, "--granularities", "1", "2"]
 
 
+def override(argv, extra):
+    """`argv` with the flags `extra` gives replaced by extra's (a list flag given twice is refused, so a test that
+    changes one of QUICK's lists drops QUICK's first)."""
+    given = {a for a in extra if a.startswith("--")}
+    kept, skipping = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skipping = a in given
+        if not skipping:
+            kept.append(a)
+    return [*kept, *extra]
+
+
 class Result:
     def __init__(self, returncode, stdout, stderr):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
