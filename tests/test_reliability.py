@@ -671,8 +671,10 @@ def test_ctrl_c_during_the_tiny_pretraining_is_one_line(tmp_path):
             "tiny.ensure_pretrained(sys.argv[1], seed=9, vae_steps=100000, flow_steps=1, "
             "log=lambda m: print(m, flush=True))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # SIGINT as a terminal delivers it (a suite started in the background ignores SIGINT, and its children inherit it)
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ROOT], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:  # the pre-training has begun
         if "pre-training the tiny model" in line:
             break
