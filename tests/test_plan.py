@@ -209,11 +209,10 @@ def test_a_broken_configuration_is_one_line(tmp_path, capsys):
     assert "num_layers -3 is negative" in capsys.readouterr().err
 
 
-def test_inner_epochs_count_in_the_update_and_its_preemption():
+def test_inner_epochs_count_in_the_update_and_its_preemption(fused):
     """--inner-epochs passes over the rollout: the update's calls, its time floor and the preemption line scale."""
-    (rows, notes, _), (rows8, notes8, _) = (plan.plan(small_args(*extra), log=lambda m: None)
-                                            for extra in ([], ["--inner-epochs", "8", "--peak-tflops", "1e-6"]))
-    one, eight = (next(r for r in table if r.phase.startswith("update")) for table in (rows, rows8))
+    rows8, notes8, _ = plan.plan(small_args("--inner-epochs", "8", "--peak-tflops", "1e-6"), log=lambda m: None)
+    one, eight = (next(r for r in table if r.phase.startswith("update")) for table in (fused[0], rows8))
     assert eight.calls == 8 * one.calls and "x 8 inner epochs" in eight.phase
     preemption = next(n for n in notes8 if n.startswith("preemption"))
     seconds = float(re.search(r"after the update \(([\d.]+) s\)", preemption).group(1))
