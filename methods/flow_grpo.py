@@ -217,13 +217,5 @@ class FlowGRPOFast:
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
                                     ode_elsewhere=True, per_member_noise=True, image_only_fn=image_only_fn)
 
-    def advantages(self, scores, weights, ranks=None):
-        return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
-
-    def optimizer_steps(self, num_trained_steps):
-        return self.inner_epochs * self.member_chunks
-
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
-        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
-                                  base_velocity_fn=base_velocity_fn, ranks=ranks)
+    # Flow-GRPO's advantage (the batch's std) and accumulated update
+    advantages, optimizer_steps, update = FlowGRPO.advantages, FlowGRPO.optimizer_steps, FlowGRPO.update
