@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from lab import fail
 from lab.kernels import Kernels
 from sampler import prompt_noise
 
@@ -65,6 +66,7 @@ def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=N
     `targets`: (attention, feed-forward) module names; FLUX's and SD3's by default.
     """
     from peft import LoraConfig
+    from peft.utils.error import NoMatchingPeftModuleError
 
     transformer.requires_grad_(False)
     attention, ff = targets or (LORA_ATTENTION, LORA_FEED_FORWARD)  # an adapter's `lora_targets`
@@ -72,8 +74,13 @@ def add_lora(transformer, rank: int, alpha: float, feed_forward: bool, targets=N
         targets = f"(?:{attention})|(?:{ff})" if feed_forward else attention
     else:
         targets = attention + (ff if feed_forward else [])
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
-                                       target_modules=targets))
+    try:
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                                           target_modules=targets))
+    except NoMatchingPeftModuleError:  # a transformer configured with no blocks
+        fail(f"the {type(transformer).__name__} has none of the modules LoRA adapts ({targets}): its "
+             f"configuration builds no attention blocks (a num_layers of 0?); give it blocks, or train it in full "
+             f"(--lora-rank 0)")
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()

@@ -101,6 +101,31 @@ def test_another_familys_plan_matches_a_real_cpu_run(family, tmp_path):
     assert_agree(plan.plan(args, fake=True, log=lambda m: None)[0], plan.plan(args, fake=False, log=lambda m: None)[0])
 
 
+def test_a_transformer_without_blocks_is_one_line(tmp_path, capsys):
+    """A --configs transformer with num_layers 0 has nothing for LoRA to adapt: one line, not peft's error."""
+    import json
+
+    for name, config in SMALL_FAMILIES["zimage"][1].items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(dict(config, n_layers=0, n_refiner_layers=0)
+                                                          if name == "transformer" else config))
+    with pytest.raises(SystemExit):
+        plan.main(["--model", "zimage", "--configs", str(tmp_path), "--resolution", "32", "--lora-rank", "4"])
+    assert "has none of the modules LoRA adapts" in capsys.readouterr().err
+
+
+def test_the_noise_of_a_huge_group_is_fake():
+    """Noise drawn from a prompt's CPU generator has no fake input: the plan draws it fake, so --group-size 100000
+    costs no host memory (it allocated 3.3 GB on the tiny preset)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    import torch
+    from sampler import prompt_noise
+
+    with plan.NoValues(FakeTensorMode(allow_non_fake_inputs=True)):
+        noise = prompt_noise([torch.Generator().manual_seed(0)] * 2, (100_000, 64, 16), "cpu")
+    assert isinstance(noise, FakeTensor) and noise.shape == (2, 100_000, 64, 16)
+
+
 def test_an_fp8_run_holds_its_copy_in_every_phase(fused):
     """--rollout-precision fp8 adds the copy's bytes to every phase's weights: one a quantized weight (the blocks'
     attention and feed-forward layers, kernels.fp8_layers), four a row for its scales, and (the tiny preset is a full

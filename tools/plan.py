@@ -109,9 +109,19 @@ class NoValues(TorchDispatchMode):
     values. Nothing the plan measures depends on them; the rollout's structure depends on shapes and on the sigma
     schedule, which stays real.
     A mask applied to a fake tensor (Z-Image's pipeline keeps each caption's tokens so) keeps every element: captions
-    are counted at their full --max-sequence-length, an upper bound."""
+    are counted at their full --max-sequence-length, an upper bound.
+    Noise drawn from a CPU generator (a prompt's own, as train.py seeds it) has no tensor input to make it fake: under
+    `fake_mode` it is drawn as a fake tensor, so a group of 100,000 members costs no host memory."""
+
+    def __init__(self, fake_mode=None):
+        super().__init__()
+        self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.fake_mode is not None and func is torch.ops.aten.randn.generator:
+            with self.fake_mode:
+                return torch.ops.aten.randn.default(*args, **{k: v for k, v in (kwargs or {}).items()
+                                                              if k != "generator"})
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 1.0 if args[0].dtype.is_floating_point else 1
         if (func is torch.ops.aten.index.Tensor and isinstance(args[0], FakeTensor) and len(args[1]) == 1
@@ -163,7 +173,7 @@ def building(dtype, fake_mode):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with fake_mode or contextlib.nullcontext(), NoValues() if fake_mode else contextlib.nullcontext():
+        with fake_mode or contextlib.nullcontext(), NoValues(fake_mode) if fake_mode else contextlib.nullcontext():
             yield
     finally:
         torch.set_default_dtype(previous)
@@ -580,14 +590,15 @@ def _plan(args, fake, log, mesh=None):
     steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = train.generators(args.seed, 0, range(B))
-    if method.same_noise:
-        noise = adapter.noise(generators, args.size)  # (B, ...) real: the rollout runs for real
-    else:  # (B, G, ...) one per member
-        noise = adapter.noise([g for g in generators for _ in range(args.group_size)], args.size).unflatten(
-            0, (B, args.group_size))
+    values = NoValues(fake_mode) if fake else contextlib.nullcontext()
+    with values:  # fake in the plan, real in its CPU check
+        if method.same_noise:
+            noise = adapter.noise(generators, args.size)  # (B, ...)
+        else:  # (B, G, ...) one per member
+            noise = adapter.noise([g for g in generators for _ in range(args.group_size)], args.size).unflatten(
+                0, (B, args.group_size))
     rows, notes = [], []
     kernels = cuda_attention(args.attention_backend, args.rollout_attention_backend)
-    values = NoValues() if fake else contextlib.nullcontext()
 
     with kernels, values:
         rows.append(Row("resident between phases (weights, optimizer state, EMA)", measure(lambda: None, resident,
