@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import textwrap
 import typing
@@ -379,6 +380,26 @@ def method_defaults(model: str, method: str) -> dict:
     return {name: value for name, value in values.items() if name in names}
 
 
+def recipe_note(args, message: str) -> str:
+    """`message`, saying which of the values it names the user did not give (--method's recipe, --model's preset or
+    the flag's default set them), so the user can tell what to change; parse_args records the flags given as
+    `args.given`."""
+    given = getattr(args, "given", None)
+    if given is None:
+        return message
+    set_for_them = [f.name for f in dataclasses.fields(args) if f.name not in given | {"model", "method"}
+                    and re.search(rf"{re.escape(flag(f.name))}\b(?!-)", message)]
+    if not set_for_them:
+        return message
+    values = ", ".join(f"{flag(name)} {_spelled(getattr(args, name))}" for name in set_for_them)
+    return (f"{message} ({values}: the default of --model {args.model} --method {args.method}, not given; give "
+            f"{'it' if len(set_for_them) == 1 else 'them'} to change {'it' if len(set_for_them) == 1 else 'them'})")
+
+
+def _spelled(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 def _given(argv, name: str) -> bool:
     """Whether the command line sets the flag of field `name` (--name value or --name=value; tyro's --no-name)."""
     spelled = {flag(name), "--" + name, "--no-" + name.replace("_", "-"), "--no_" + name}
@@ -457,6 +478,7 @@ def parse_args(argv=None, base=None):
     for name, rule in METHODS[method].per_steps.items():
         if not _given(argv, name):
             setattr(args, name, rule(args.num_steps))
+    args.given = frozenset(f.name for f in dataclasses.fields(cls) if _given(argv, f.name))  # (for recipe_note)
     # a --resolution given is a square: it replaces the preset's own height and width (Wan's 832 x 480) unless they
     # are given too
     if _given(argv, "resolution"):
@@ -623,71 +645,74 @@ def reward_frames_problem(model: str, num_frames: int, reward_frames: int, name:
 
 def check_flags(args, world: int, log=print):
     """Every check of the flags themselves (no file is read). Returns the reward weights."""
+    def refuse(message):
+        fail(recipe_note(args, message))
+
     for f in dataclasses.fields(TrainArgs):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
-            fail(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
+            refuse(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
     method = method_of(args)
     if "sde_steps" in method.__dataclass_fields__:  # (the windowed methods train their window instead)
         if not args.sde_steps:
-            fail("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
+            refuse("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
         if len(set(args.sde_steps)) != len(args.sde_steps):
-            fail(f"--sde-steps {args.sde_steps} repeats a step; list each step once")
+            refuse(f"--sde-steps {args.sde_steps} repeats a step; list each step once")
         bad = [k for k in args.sde_steps if not 0 <= k < args.num_steps]
         if bad:
-            fail(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
+            refuse(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
                  f"use steps in 0..{args.num_steps - 1}")
     problem = method.problem(args.num_steps)
     if problem:
-        fail(f"--method {args.method}: {problem}")
+        refuse(f"--method {args.method}: {problem}")
     if args.step_credit != "own" and not method.per_step_advantages:
-        fail(f"--step-credit {args.step_credit} moves advantages between steps, and --method {args.method} gives a "
+        refuse(f"--step-credit {args.step_credit} moves advantages between steps, and --method {args.method} gives a "
              f"whole trajectory one advantage for all of them; it is a control for --method g2rpo")
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
-        fail(problem)
+        refuse(problem)
     problem = reward_frames_problem(args.model, args.num_frames, args.reward_frames, "--reward-frames")
     if problem:
-        fail(problem)
+        refuse(problem)
     if args.model == "flux2" and args.guidance > 1 and _model_index(args.model_path).get("is_distilled"):
-        fail(f"--guidance {args.guidance}: '{args.model_path}' is a distilled FLUX.2 klein, which samples without "
+        refuse(f"--guidance {args.guidance}: '{args.model_path}' is a distilled FLUX.2 klein, which samples without "
              f"guidance (its pipeline ignores the value); use --guidance 0, or a base (non-distilled) model")
     family = folder_family(args.model_path) if args.model != "tiny" else None
     named = _model_index(args.model_path).get("_class_name") if args.model != "tiny" else None
     if named and family is None:  # a variant (an image-to-image pipeline, say) of no family here
-        fail(f"--model-path '{args.model_path}' holds a {named} (its model_index.json), which no --model trains; "
+        refuse(f"--model-path '{args.model_path}' holds a {named} (its model_index.json), which no --model trains; "
              f"pass a folder of one of: {', '.join(sorted(set(PIPELINES.values())))}")
     if family and family != args.model:
-        fail(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "
+        refuse(f"--model-path '{args.model_path}' is a {family} folder (its model_index.json names the "
              f"{PIPELINES[family]}); use --model {family}, or a {args.model} folder")
     multiple = RESOLUTION_MULTIPLE[args.model]
     sides = [("--height", args.height), ("--width", args.width)]
     for name, value in ([] if args.height and args.width else [("--resolution", args.resolution)]) + sides:
         if value % multiple:
-            fail(f"{name} {value} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
+            refuse(f"{name} {value} is not a multiple of {multiple} (VAE factor x 2x2 patches); "
                  f"use e.g. {value // multiple * multiple or multiple}")
     if args.prompts_per_iteration % world:
-        fail(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
+        refuse(f"--prompts-per-iteration {args.prompts_per_iteration} does not split over {world} ranks; "
              f"use a multiple of {world}")
     if args.resume and args.overwrite:
-        fail("--resume and --overwrite contradict each other; pass one")
+        refuse("--resume and --overwrite contradict each other; pass one")
     if args.log_with == "wandb" and (not args.tracker_project or any(c in args.tracker_project for c in "/\\#?%:")):
-        fail(f"--tracker-project '{args.tracker_project}': a wandb project name cannot be empty or hold / \\ # ? % :; "
+        refuse(f"--tracker-project '{args.tracker_project}': a wandb project name cannot be empty or hold / \\ # ? % :; "
              f"use e.g. g2rpo")
     if args.log_with != "none" and importlib.util.find_spec(args.log_with) is None:  # the package is named so
-        fail(f"--log-with {args.log_with} needs its package: pip install -r requirements.txt")
+        refuse(f"--log-with {args.log_with} needs its package: pip install -r requirements.txt")
     if args.log_with != "none":  # installed but broken (a stub, a half-removed package): now, not after the models load
         try:
             importlib.import_module("torch.utils.tensorboard" if args.log_with == "tensorboard" else "wandb")
         except Exception as err:
-            fail(f"--log-with {args.log_with}: its package does not import ({type(err).__name__}: "
+            refuse(f"--log-with {args.log_with}: its package does not import ({type(err).__name__}: "
                  f"{str(err).splitlines()[0] if str(err) else ''}); reinstall it: pip install -r requirements.txt")
     if args.model != "tiny" and not (os.path.isdir(args.model_path) or args.model_path.count("/") == 1):
-        fail(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
+        refuse(f"--model-path '{args.model_path}' is neither a folder nor a hub id (org/name); "
              f"pass the folder holding model_index.json")
     try:
         weights = rewards.parse_rewards(args.rewards)
     except rewards.RewardError as err:
-        fail(str(err))
+        refuse(str(err))
     for line in method.notes(sigma_schedule(args.num_steps, args.shift)) if hasattr(method, "notes") else []:
         log(line)
     return weights

@@ -591,6 +591,19 @@ def test_good_input_once_refused_runs(flux_path, tmp_path, monkeypatch):
     assert json.load(open(os.path.join(out, "config.json")))["model_path"] == flux_path
 
 
+def test_an_error_says_which_values_were_not_given(capsys):
+    """A value the recipe or the preset set is named as such: the user gave --method mixgrpo and --group-size 3,
+    not the --member-chunks 4 the error is about. A value given is named as given."""
+    for argv, said in ((["--method", "mixgrpo", "--group-size", "3"], True),
+                       (["--method", "mixgrpo", "--group-size", "3", "--member-chunks", "4"], False)):
+        with pytest.raises(SystemExit):
+            flags.check_flags(flags.parse_args(["--model", "tiny", *argv]), world=1)
+        err = capsys.readouterr().err
+        assert "--member-chunks 4: must be in 1..--group-size 3" in err and len(err.splitlines()) == 1
+        assert ("(--member-chunks 4: the default of --model tiny --method mixgrpo, not given; give it to change it)"
+                in err) == said, err
+
+
 def test_a_pipeline_of_no_family_is_named(tmp_path, capsys):
     variant = tmp_path / "img2img"
     variant.mkdir()
