@@ -327,9 +327,12 @@ class Run:
             raise SystemExit(130)
         self.stop_requested = True
         update = "at the next optimizer step of the update" if self.cuts_updates else "after the update"
+        torchrun = ("; torchrun itself will then exit 1 with a SignalException traceback, which only reports the "
+                    "signal it forwarded: the line 'stopped ...' below is this run's result"
+                    if "TORCHELASTIC_RUN_ID" in os.environ else "")
         self.log(f"\nreceived signal {signum}: stopping at the next transformer call or reward batch of the rollout "
                  f"(which is dropped and reruns on --resume), or {update}, and saving a checkpoint (send it again to "
-                 f"abort without saving)")
+                 f"abort without saving){torchrun}")
 
     def stop_between_steps(self, optimizer):
         """After every optimizer step, raise UpdateCut once a stop was asked on any rank. Every rank takes the same

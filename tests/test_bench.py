@@ -135,3 +135,5 @@ def test_the_bench_checks_its_own_flags(tmp_path, capsys):
         assert exit_info.value.code == 2 and words in err and "\n" not in err, err
     parsed = bench.parse(["--extra", "--max-batch", "64", "--seeds", "2"])  # as --help shows it
     assert parsed.extra == ("--max-batch", "64") and parsed.seeds == 2
+    parsed = bench.parse(["--extra", "--lr", "0", "--seeds", "2", "--extra=--max-batch", "64"])  # repeated: joined
+    assert parsed.extra == ("--lr", "0", "--max-batch", "64") and parsed.seeds == 2

@@ -257,8 +257,11 @@ def test_torchrun_preemption_stops_within_a_grace_shorter_than_an_iteration(flux
     newest = checkpoint.latest_checkpoint(out)
     assert checkpoint.verify(newest) is None
     assert checkpoint.read_trainer_state(newest)["iteration"] == logged[-1] == int(stopped.group(1)) - 1
-    # torchrun itself reports the signal it forwarded with its own traceback and exit 1, whatever its workers did
+    # torchrun itself reports the signal it forwarded with its own traceback and exit 1, whatever its workers did;
+    # the run's first line after the signal says so
     assert "SignalException" in stderr and "CheckpointException" not in stderr
+    received = next(l for l in stdout.splitlines() if l.startswith("received signal"))
+    assert "torchrun itself will then exit 1 with a SignalException traceback" in received, received
 
 
 def test_torchrun_preemption_during_a_long_update_saves_within_the_grace(flux_path, tmp_path):

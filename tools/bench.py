@@ -69,7 +69,7 @@ class Args:
     """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run;
     --peers adds the peers' rows to them); () = the paper's two claims and the controls."""
     extra: tuple[str, ...] = ()
-    """Part 3: train.py flags added to every run (e.g. --max-batch 64)."""
+    """Part 3: train.py flags added to every run (e.g. --max-batch 64); a repeated --extra adds to the earlier."""
     output_dir: str = "runs/bench"
     """Where part 3's runs, its table (JSON) and plot go."""
     tiny_cache: str = ".cache"
@@ -564,14 +564,20 @@ def main(args: Args):
 
 def parse(argv) -> Args:
     """The command line. `--extra --max-batch 64`, as its help shows it: tyro would take a value starting with -- for a
-    flag, so --extra's values (up to the next flag of the bench's own) are gathered here and handed over as one."""
-    extra = []
-    if "--extra" in argv:
-        at = argv.index("--extra")
-        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--") and argv[i][2:].replace("-", "_")
-                    in Args.__dataclass_fields__), len(argv))
-        argv, extra = argv[:at] + argv[end:], argv[at + 1 : end]
-    return tyro.cli(Args, args=argv, default=Args(extra=tuple(extra)))
+    flag, so --extra's values (up to the next flag of the bench's own) are gathered here and handed over as one. A
+    repeated --extra adds its values to the earlier ones (`--extra --lr 0 --extra --max-batch 64` passes both)."""
+    extra, rest, i = [], [], 0
+    while i < len(argv):
+        name, _, value = argv[i].partition("=")
+        if name != "--extra":
+            rest.append(argv[i])
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--") and
+                    argv[j].partition("=")[0][2:].replace("-", "_") in Args.__dataclass_fields__), len(argv))
+        extra += ([value] if "=" in argv[i] else []) + argv[i + 1 : end]
+        i = end
+    return tyro.cli(Args, args=rest, default=Args(extra=tuple(extra)))
 
 
 if __name__ == "__main__":
