@@ -43,6 +43,7 @@ from lab.models import ADAPTERS, ModelLoadError, add_lora
 from lab.run import (EMA, GRID_IMAGES, Preempted, Ranks, Run, UpdateCut, all_max, all_mean, any_rank, backend,
                      checked, eval_noise_generator)
 from methods import step_credit
+from methods.adagrpo import Curriculum, with_global_advantage
 from sampler import ode_sample, sigma_schedule
 
 
@@ -50,15 +51,21 @@ from sampler import ode_sample, sigma_schedule
 # One iteration: prompts -> rollout -> rewards -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
 def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
-              first_update_check=None, check_stop=lambda: None):
+              first_update_check=None, check_stop=lambda: None, curriculum=None):
     """One iteration of `method` (g2rpo.G2RPO, or one of methods/) on this rank's prompts; returns its metrics
     (floats). `check_stop` runs before every transformer call of the rollout and every reward batch of its scoring
-    (lab.run.Run.check_stop: a stop asked then drops the iteration before it changes anything)."""
+    (lab.run.Run.check_stop: a stop asked then drops the iteration before it changes anything). `curriculum`:
+    AdaGRPO's moving state (methods/adagrpo.py) under --curriculum-pool, which this iteration moves."""
     t0 = time.time()
     ranks = Ranks(world, distributed) if distributed else None
     # 1. prompts and noise: one initial noise per prompt, and a generator per prompt for its members' SDE noise
     global_batch = args.global_batch(world)
-    batch, positions = batch_prompts(prompts, args.seed, it, global_batch, rank, global_batch // world)
+    pool_metrics = {}
+    if curriculum is not None:  # each prompt chosen from its pool by its anchor's score (AdaGRPO's curriculum)
+        batch, positions, pool_metrics = curriculum_prompts(args, it, policy, reward_models, prompts, sigmas, rank,
+                                                            world, ranks, curriculum, check_stop)
+    else:
+        batch, positions = batch_prompts(prompts, args.seed, it, global_batch, rank, global_batch // world)
     cond = policy.adapter.encode(batch)
     gens = generators(args.seed, it, positions)
     B, G = len(batch), args.group_size
@@ -87,6 +94,8 @@ def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, wo
     # 4. advantages: per trained step (or one per trajectory, broadcast to its steps), --step-credit's control
     weights = torch.tensor(list(reward_models.weights.values()))  # (R,)
     advantages = method.advantages(scores, weights, ranks)  # (B, K or 1, G)
+    if args.global_advantage:  # AdaGRPO's cross-level term, on the curriculum's moving scale
+        advantages = with_global_advantage(advantages, scores, weights, curriculum, args.adv_clip_max)
     advantages = step_credit(advantages.expand(B, len(steps), G), args.step_credit).to(noise.device)  # (B, K, G)
 
     # 5. the clipped policy update, taken on every rank or on none
@@ -115,11 +124,37 @@ def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, wo
                     "faults/nonfinite_rewards": float(not finite_rewards),
                     "perf/optimizer_steps": stats["optimizer_steps"],
                     # image-forwards of this iteration's rollouts on all ranks (each rank has as many prompts)
-                    "perf/nfe": rollout.nfe * policy.adapter.forwards_per_velocity * world,
+                    "perf/nfe": (rollout.nfe + pool_metrics.pop("nfe", 0)) * policy.adapter.forwards_per_velocity
+                    * world,
+                    # forwards with gradients (Pave-GRPO's sub-steps add theirs): start latents x trained steps x ...
+                    "perf/update_nfe": rollout.start_latents.shape[0] * rollout.start_latents.shape[2] * len(steps)
+                    * method.inner_epochs * getattr(method, "update_forwards", lambda: 1)() * world,
                     "perf/image_only_nfe": rollout.image_only_nfe * policy.adapter.forwards_per_velocity * world,
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
-                    "time/update": t3 - t2, "time/iteration": t3 - t0})
+                    "time/update": t3 - t2, "time/iteration": t3 - t0, **pool_metrics})
     return metrics
+
+
+def curriculum_prompts(args, it, policy, reward_models, prompts, sigmas, rank, world, ranks, curriculum, check_stop):
+    """AdaGRPO's curriculum (methods/adagrpo.py): this rank's prompts of iteration `it`, each the one of its
+    --curriculum-pool candidates whose anchor (an ODE rollout from the noise the prompt would train with) scores
+    closest to the moving mean, which the pools of all ranks move first. Returns (prompts, their global positions,
+    metrics with the pool's "nfe")."""
+    pool, per_rank = args.curriculum_pool, args.global_batch(world) // world
+    candidates, positions = batch_prompts(prompts, args.seed, it, args.global_batch(world) * pool, rank,
+                                          per_rank * pool)  # slot b's candidates: b * pool .. (b + 1) * pool - 1
+    cond = policy.adapter.encode(candidates)
+    noise = policy.adapter.noise(generators(args.seed, it, positions), args.size)  # (B * P, ...)
+    velocity = checked(check_stop, make_velocity_fn(args, policy, policy.transformer, cond))
+    anchors = ode_sample(velocity, noise, sigmas, max_batch=args.max_batch)
+    scores = score(args, policy.adapter, reward_models, anchors, candidates, check_stop)  # (B * P, R)
+    anchor_scores = scores.float().cpu() @ torch.tensor(list(reward_models.weights.values()))  # (B * P,)
+    curriculum.observe(ranks.gather(anchor_scores) if ranks is not None else anchor_scores)
+    chosen = [b * pool + int(c) for b, c in enumerate(curriculum.choose(anchor_scores.view(per_rank, pool)))]
+    return ([candidates[i] for i in chosen], [positions[i] for i in chosen],
+            {"nfe": len(candidates) * (len(sigmas) - 1), "curriculum/moving_mean": curriculum.mean,
+             "curriculum/moving_std": curriculum.std, "curriculum/pool_score": float(anchor_scores.mean()),
+             "curriculum/chosen_score": float(anchor_scores[chosen].mean())})
 
 
 def generators(seed: int, iteration: int, positions):
@@ -230,7 +265,8 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
 # ---------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------
-def train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed):
+def train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed,
+          curriculum=None):
     from tqdm import tqdm
 
     sigmas = sigma_schedule(args.num_steps, args.shift)
@@ -241,7 +277,9 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                                                 distributed, seeds, run.check_stop)
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                                  policy.adapter.pipeline_class, policy.params, policy.ema,
-                                 final=done == args.num_iterations)
+                                 final=done == args.num_iterations,
+                                 states={"curriculum": curriculum.state_dict()} if curriculum is not None
+                                 and curriculum.mean is not None else None)
     saved = start  # the iteration of the newest checkpoint (0: none yet)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
@@ -264,7 +302,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
         try:
             metrics = iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
-                                check, run.check_stop)
+                                check, run.check_stop, curriculum)
         except UpdateCut as cut:  # during the update, at an optimizer step: the weights are partly iteration it + 1's
             bar.close()
             if it > saved:  # the state of iteration `it` is gone from memory: these weights, cut short, stand for it
@@ -535,9 +573,14 @@ def main(args) -> bool:
         policy = build_policy(args, device, dtype, distributed, log)
         reward_models = load_reward_models(args, device, dtype, reward_weights)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)
+        curriculum = Curriculum(args.curriculum_ema) if args.curriculum_pool else None
         if resume_from:
             state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, not args.full,
-                                    extra={"ema": policy.ema.tensors()} if policy.ema is not None else None)
+                                    extra={**({"ema": policy.ema.tensors()} if policy.ema is not None else {}),
+                                           **({"curriculum": {"alpha_mean_var": torch.zeros(3, dtype=torch.float64)}}
+                                              if curriculum is not None else {})} or None)  # (the sharded load's shapes)
+            if curriculum is not None and "curriculum" in state["extra"]:
+                curriculum.load_state_dict(state["extra"]["curriculum"])
             if policy.ema is not None:
                 if "ema" not in state["extra"]:
                     fail(f"{resume_from} holds no EMA weights; resume without --ema-decay or start a new run")
@@ -558,7 +601,8 @@ def main(args) -> bool:
         if distributed:  # under torchrun a stop cuts a long update short (its grace); one process finishes it, so
             run.stop_between_steps(policy.optimizer)  # that its resume equals the uninterrupted run
         run.steps_taken = 0
-        train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed)
+        train(args, config, policy, reward_models, run, prompts, eval_prompts, start, rank, world, distributed,
+              curriculum)
         if distributed:
             dist.barrier()  # leave together: a rank tearing down its process group early can abort another
     finally:

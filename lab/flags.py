@@ -162,6 +162,15 @@ class TrainArgs:
     methods whose steps have their own advantages (g2rpo)."""
     prompts_per_iteration: int = 0
     """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
+    curriculum_pool: int = 0
+    """AdaGRPO's online curriculum, for every method (methods/adagrpo.py): each trained prompt is the one of this many
+    candidates whose deterministic rollout scores closest to the moving mean of such scores (each candidate costs
+    --num-steps forwards); 0 = off, the prompts in their shuffled order (AdaGRPO's recipe: 10)."""
+    curriculum_ema: float = 0.8
+    """alpha of the curriculum's moving mean and variance: m <- alpha m + (1 - alpha) (the pool's mean)."""
+    global_advantage: bool = False
+    """AdaGRPO's cross-level advantage, added to the method's: each member's reward on the curriculum's moving scale,
+    positives and negatives each normalised to sum +-1 (needs --curriculum-pool)."""
     max_batch: int = 24
     """Largest batch of one transformer call in the rollout and update (bounds memory)."""
     # --- rewards (each reward's model paths follow as their own flags, e.g. --hps-checkpoint) ---
@@ -275,7 +284,7 @@ def reward_path_fields(defaults=None) -> list:
 RESUME_FLAGS = ("method", "model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
                 "max_sequence_length", "eta", "resolution", "height", "width", "group_size", "num_steps", "shift",
                 "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay", "ema_every",
-                "num_frames", "reward_frames", "step_credit")
+                "num_frames", "reward_frames", "step_credit", "curriculum_pool", "curriculum_ema", "global_advantage")
 
 
 def resume_keys(method: str) -> list[str]:
@@ -530,6 +539,8 @@ RULES = {
     "shift": above(0, " (reference 3)"), "eta": above(0, ": the SDE step needs eta > 0 (typ. 0.7)"),
     "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
     "prompts_per_iteration": at_least(0, " (0 = one per rank)"), "max_batch": at_least(1),
+    "curriculum_pool": at_least(0, " (0 = no curriculum; AdaGRPO's 10)"),
+    "curriculum_ema": ((lambda v: 0 <= v < 1), "in [0, 1) (AdaGRPO's 0.8)"),
     "reward_batch_size": at_least(1), "num_iterations": at_least(1),
     "lr": at_least(0, " (typ. 2e-6 full, 1e-4 LoRA; 0 learns nothing: the bench's control)"),
     "weight_decay": at_least(0),
@@ -664,6 +675,9 @@ def check_flags(args, world: int, log=print):
     problem = method.problem(args.num_steps)
     if problem:
         refuse(f"--method {args.method}: {problem}")
+    if args.global_advantage and not args.curriculum_pool:
+        refuse("--global-advantage places rewards on the curriculum's moving scale, which --curriculum-pool 0 does not "
+               "keep; give --curriculum-pool 10 (AdaGRPO's) or drop --global-advantage")
     if args.step_credit != "own" and not method.per_step_advantages:
         refuse(f"--step-credit {args.step_credit} moves advantages between steps, and --method {args.method} gives a "
              f"whole trajectory one advantage for all of them; it is a control for --method g2rpo")

@@ -406,10 +406,12 @@ class Run:
                              f"gradients; the last good checkpoint is {latest or 'none (no checkpoint yet)'}")
 
     # ---- checkpoints ----
-    def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None, final=False):
+    def save(self, iteration, model, transformer, optimizer, config, pipeline_class, params, ema=None, final=False,
+             states=None):
         """Save a checkpoint; weights that are not finite stop the run instead (the last good checkpoint stays the
         newest).
-        `final`: the run's last, which a sharded full fine-tune also exports as transformer/."""
+        `final`: the run's last, which a sharded full fine-tune also exports as transformer/. `states`: further
+        named state dicts of tensors, the same on every rank (AdaGRPO's curriculum), saved beside the weights."""
         # each rank checks its own shards (FSDP2) or copy (DDP): no weights are gathered for it
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
         finite = not any_rank(any(not bool(torch.isfinite(p).all()) for p in local), self.distributed)
@@ -419,7 +421,8 @@ class Run:
                              f"{checkpoint.latest_checkpoint(self.out, log=self.log) if self.master else ''}")
         lora = not self.args.full
         sharded = checkpoint.uses_dcp(model, lora)  # then the EMA's shards go into dcp/ as they are
-        extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else None
+        extra = {"ema": ema.tensors() if sharded else ema.state_dict()} if ema is not None else {}
+        extra = {**extra, **(states or {})} or None
         try:
             checkpoint.save(self.out, iteration, model, transformer, optimizer, config, lora, pipeline_class,
                             keep=self.args.keep_checkpoints, extra=extra, log=self.log, export_weights=final)

@@ -1,4 +1,5 @@
-"""The methods train.py can run, by --method name: G2RPO (g2rpo.py), its full-SDE ablation and its peers.
+"""The methods train.py can run, by --method name: G2RPO (g2rpo.py), its full-SDE ablation, its peers, and its
+authors' follow-ups (Pave-GRPO, AdaGRPO; AdaGRPO's curriculum and advantage are also flags of every method).
 
 A method is a dataclass whose fields are the values it reads: first the run's flags (lab/flags.py documents them),
 then its own flags, each with a docstring, which train.py adds to its command line under that --method. Beside
@@ -26,10 +27,12 @@ them, as class attributes and methods:
 one through).
 """
 from g2rpo import G2RPO
+from methods.adagrpo import AdaGRPO
 from methods.dancegrpo import DanceGRPO
 from methods.flow_grpo import FlowGRPO, FlowGRPOFast
 from methods.full_sde import FullSDE
 from methods.mixgrpo import MixGRPO
+from methods.pavegrpo import PaveGRPO
 
 METHODS = {
     "g2rpo": G2RPO,
@@ -38,6 +41,8 @@ METHODS = {
     "flow-grpo": FlowGRPO,
     "flow-grpo-fast": FlowGRPOFast,
     "mixgrpo": MixGRPO,
+    "pavegrpo": PaveGRPO,
+    "adagrpo": AdaGRPO,
 }
 
 STEP_CREDITS = ("own", "mean", "rolled")

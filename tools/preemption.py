@@ -1,0 +1,95 @@
+"""Seconds from a scheduler's SIGTERM to a verified checkpoint, for a 2-rank full fine-tune under torchrun, with the
+signal landing in each phase of an iteration: the rollout, its decoding and scoring, the update, the evaluation.
+
+Each phase is one torchrun job of the tiny model (a full fine-tune, as its preset is): the job runs two iterations,
+their metrics give the length of each phase, and the signal is sent halfway into that phase of the third. The figure
+is the newest checkpoint's time less the signal's, once checkpoint.verify passes; torchrun's own grace is 30 s.
+
+    python -m tools.preemption                  # about 6 minutes on 2 cores (the tiny model is cached once first)
+
+Flags of train.py after `--` go to every job (e.g. `-- --inner-epochs 8`).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# each phase: the flags that make it long enough to land in (on 2 cores), the stop line it must give
+PHASES = {
+    "rollout": ([], r"stopped during iteration \d+, before its update"),
+    "decode + reward": (["--reward-batch-size", "1"], r"stopped during iteration \d+, before its update"),
+    "update": (["--inner-epochs", "8"], r"stopped during iteration \d+'s update"),
+    "evaluation": (["--eval-every", "1", "--eval-seeds", "8"], r"stopped after iteration \d+"),
+}
+COMMON = ["--model", "tiny", "--num-iterations", "100", "--checkpoint-every", "1000", "--log-with", "none"]
+
+
+def rows(path):
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def measure(phase, extra, out):
+    """(seconds from the signal to the checkpoint, the run's stop line, the phase's length in s)."""
+    from lab import checkpoint
+
+    flags, expected = PHASES[phase]
+    argv = [*COMMON, *flags, *([] if "--eval-every" in flags else ["--eval-every", "1000"]), *extra, "--output-dir", out]
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    metrics, seen = os.path.join(out, "metrics.jsonl"), {}
+    while 2 not in seen:  # the time each iteration's row appears
+        if job.poll() is not None:
+            raise SystemExit(f"error: the {phase} job ended before its second iteration:\n{job.stdout.read()[-3000:]}")
+        for row in rows(metrics):
+            seen.setdefault(row["iteration"], time.time())
+        time.sleep(0.01)
+    last = rows(metrics)[-1]  # iteration 2, as iteration 3 will run
+    rollout, score, update = last["time/rollout"], last["time/decode_and_reward"], last["time/update"]
+    evaluation = max(seen[2] - seen[1] - last["time/iteration"], 0.0)
+    offset, length = {"rollout": (rollout / 2, rollout), "decode + reward": (rollout + score / 2, score),
+                      "update": (rollout + score + update / 2, update),
+                      "evaluation": (rollout + score + update + evaluation / 2, evaluation)}[phase]
+    time.sleep(max(seen[2] + offset - time.time(), 0.0))
+    signalled = time.time()
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    stopped = next((line for line in output.splitlines() if line.startswith("stopped ")), None)
+    if stopped is None or not re.match(expected, stopped):
+        raise SystemExit(f"error: the signal missed the {phase} (stop line: {stopped!r}); the phases' lengths moved "
+                         f"between iterations on this machine: run it again")
+    newest = checkpoint.latest_checkpoint(out)
+    problem = checkpoint.verify(newest) if newest else "no checkpoint"
+    if problem:
+        raise SystemExit(f"error: the {phase} stop left no verified checkpoint: {problem}")
+    return os.path.getmtime(newest) - signalled, stopped, length
+
+
+def main(argv):
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    from lab import tiny
+
+    tiny.ensure_pretrained(os.path.join(ROOT, ".cache"))
+    print("| phase the SIGTERM lands in | phase length s | SIGTERM -> verified checkpoint s | the run's stop line |")
+    print("|---|---|---|---|")
+    for phase in PHASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            seconds, line, length = measure(phase, extra, os.path.join(tmp, "run"))
+        line = line.split(";")[0]
+        print(f"| {phase} | {length:.1f} | {seconds:.2f} | {line} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
