@@ -13,6 +13,7 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | pickscore     | transformers CLIPModel yuvalkirstain/PickScore_v1            | logit_scale.exp() * cos, ~20-23   |
 | aesthetic     | transformers CLIP ViT-L/14 + the LAION aesthetic v2 MLP head | MLP(normalised image features)    |
 | imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
+| hpsv3         | transformers Qwen2-VL-7B + HPSv3's MLP head (MizzenAI/HPSv3) | its mu, ~10 for FLUX.1-dev        |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
 | shapes        | none: the tiny world's pixel rule (lab/tiny.py)                  | colour, position, shape in [0, 1] |
 
@@ -249,6 +250,80 @@ def imagereward(device, dtype, batch_size, paths):
     return _batched(score, batch_size)
 
 
+HPSV3_INSTRUCTION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "hpsv3_instruction.txt")
+HPSV3_PIXELS = 256 * 28 * 28  # every image is resized to this many pixels (448 x 448 for a square one)
+
+
+def _qwen2vl_size(h: int, w: int, pixels: int = HPSV3_PIXELS, factor: int = 28) -> tuple[int, int]:
+    """Qwen2-VL's resize rule at min = max pixels: the aspect ratio kept, each side a multiple of `factor`."""
+    scale = math.sqrt(pixels / (h * w))
+    return max(factor, round(h * scale / factor) * factor), max(factor, round(w * scale / factor) * factor)
+
+
+def hpsv3(device, dtype, batch_size, paths):
+    """HPSv3 (MizzenAI/HPSv3): a Qwen2-VL-7B-Instruct whose hidden state at an added <|Reward|> token, read by an MLP
+    head (hidden -> 1024 -> 16 -> 2, ReLU), gives (mu, log sigma) of a preferred-ness score; the reward is mu (~10
+    for FLUX.1-dev). Its input is one chat turn: the image, then the rubric HPSv3 was trained with
+    (prompts/hpsv3_instruction.txt, its authors' wording, kept as is because the scores depend on it) around the
+    caption. The checkpoint holds the whole model; its configuration and processor are Qwen2-VL's (--hpsv3-base).
+    Positions are sequential, as in the model's training code (not the 3-D ones of Qwen2-VL's own forward)."""
+    transformers = _require("transformers", "transformers")
+    from safetensors.torch import load_file
+
+    checkpoint = _resolve_file(paths["hpsv3_checkpoint"], "the HPSv3 checkpoint", "MizzenAI/HPSv3")
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(paths["hpsv3_base"])
+        config = transformers.Qwen2VLConfig.from_pretrained(paths["hpsv3_base"])
+    except OSError as err:
+        raise RewardError(f"could not load Qwen2-VL's configuration and processor from '{paths['hpsv3_base']}' "
+                          f"(--hpsv3-base): {str(err)[:200]}") from None
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "right"
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|Reward|>"]}, replace_extra_special_tokens=False)
+    reward_token = tokenizer.convert_tokens_to_ids("<|Reward|>")
+    state = load_file(checkpoint)
+    head_state = {k.removeprefix("rm_head."): state.pop(k) for k in [k for k in state if k.startswith("rm_head.")]}
+    if not head_state:
+        raise RewardError(f"{checkpoint} holds no rm_head.* weights: it is not an HPSv3 checkpoint")
+    config.text_config.vocab_size = state.get("model.embed_tokens.weight", state.get(
+        "model.language_model.embed_tokens.weight")).shape[0]  # Qwen2-VL's vocabulary and the <|Reward|> token
+    model, loaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)  # (its 4.45 key names too)
+    if loaded["missing_keys"]:
+        raise RewardError(f"{checkpoint} lacks {len(loaded['missing_keys'])} weights of the Qwen2-VL of --hpsv3-base "
+                          f"(e.g. {sorted(loaded['missing_keys'])[0]}): the checkpoint and the base do not match")
+    model = model.to(device).eval().requires_grad_(False)
+    hidden = config.text_config.hidden_size
+    head = torch.nn.Sequential(torch.nn.Linear(hidden, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
+                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    head.load_state_dict(head_state)
+    head = head.float().to(device).eval().requires_grad_(False)  # fp32, as trained
+    with open(HPSV3_INSTRUCTION, encoding="utf-8") as f:
+        instruction = f.read()
+    inner = model.model
+
+    def score(images, prompts):
+        size = _qwen2vl_size(*images.shape[-2:])
+        pixels = F.interpolate(images.float(), size=size, mode="bicubic", antialias=True, align_corners=False)
+        texts = [processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                               "text": instruction.format(text_prompt=p)}]}],
+            tokenize=False, add_generation_prompt=True) for p in prompts]
+        batch = processor(text=texts, images=list(pixels.clamp(0, 1).cpu()), padding=True, return_tensors="pt",
+                          do_resize=False, do_rescale=False).to(device)
+        ids = batch["input_ids"]
+        embeds = inner.get_input_embeddings()(ids)
+        features = inner.get_image_features(batch["pixel_values"].to(dtype), batch["image_grid_thw"])
+        features = torch.cat(list(getattr(features, "pooler_output", features)), 0).to(embeds.dtype)
+        image_slots = (ids == config.image_token_id).unsqueeze(-1).expand_as(embeds)
+        embeds = embeds.masked_scatter(image_slots, features)
+        hidden_states = inner.language_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"])[0]
+        at_token = hidden_states[ids == reward_token]  # (N, hidden): one <|Reward|> per caption
+        return head(at_token.float())[:, 0]
+
+    return _batched(score, batch_size)
+
+
 def shapes(device, dtype, batch_size, paths):
     """The tiny world's rule: does the image show the colour, shape and position its prompt names (lab/tiny.py). It
     carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
@@ -319,6 +394,12 @@ REWARDS: dict[str, Reward] = {
                                 "The judge's model name as the server knows it (vLLM: the served model name)."),
         "unifiedreward_question_file": ("", "A text file with the judge's question, {prompt} marking the caption; "
                                             "empty: this project's wording."),
+    }),
+    "hpsv3": Reward(hpsv3, {
+        "hpsv3_checkpoint": ("MizzenAI/HPSv3/HPSv3.safetensors",
+                             "HPSv3 weights (the whole model and its head): a local file or hub repo/filename."),
+        "hpsv3_base": ("Qwen/Qwen2-VL-7B-Instruct", "Qwen2-VL folder or hub id whose configuration and processor "
+                                                    "HPSv3 was trained on."),
     }),
     "shapes": Reward(shapes),
 }

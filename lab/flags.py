@@ -19,6 +19,7 @@ import re
 import sys
 import textwrap
 import typing
+import weakref
 from dataclasses import dataclass, field
 from math import isfinite
 from typing import Annotated, Literal, Optional
@@ -389,11 +390,13 @@ def method_defaults(model: str, method: str) -> dict:
     return {name: value for name, value in values.items() if name in names}
 
 
+_GIVEN = {}  # id(args) -> the names of the flags its command line gave (kept off the args: vars(args) is the config)
+
+
 def recipe_note(args, message: str) -> str:
     """`message`, saying which of the values it names the user did not give (--method's recipe, --model's preset or
-    the flag's default set them), so the user can tell what to change; parse_args records the flags given as
-    `args.given`."""
-    given = getattr(args, "given", None)
+    the flag's default set them), so the user can tell what to change; parse_args records the flags given."""
+    given = _GIVEN.get(id(args))
     if given is None:
         return message
     set_for_them = [f.name for f in dataclasses.fields(args) if f.name not in given | {"model", "method"}
@@ -487,7 +490,8 @@ def parse_args(argv=None, base=None):
     for name, rule in METHODS[method].per_steps.items():
         if not _given(argv, name):
             setattr(args, name, rule(args.num_steps))
-    args.given = frozenset(f.name for f in dataclasses.fields(cls) if _given(argv, f.name))  # (for recipe_note)
+    _GIVEN[id(args)] = frozenset(f.name for f in dataclasses.fields(cls) if _given(argv, f.name))  # (recipe_note)
+    weakref.finalize(args, _GIVEN.pop, id(args), None)
     # a --resolution given is a square: it replaces the preset's own height and width (Wan's 832 x 480) unless they
     # are given too
     if _given(argv, "resolution"):

@@ -116,7 +116,8 @@ class AdaGRPO:
     # scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
     flux = {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "eta": 0.7,
             "group_size": 12, "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300,
-            "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False}
+            "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False,
+            "rewards": ["hpsv3=1.0"]}
     per_steps = {}
     step, kl, trained_steps, rollout, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.rollout, \
         G2RPO.advantages

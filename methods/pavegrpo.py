@@ -131,7 +131,7 @@ class PaveGRPO:
     # scripts/train_pavegrpo.sh: 8 GPUs x 1 prompt, a full fine-tune (bf16, gradient checkpointing), 300 steps, HPSv3
     flux = {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "group_size": 12,
             "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300, "max_grad_norm": 1.0,
-            "adv_clip_max": 5.0}
+            "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]}
     per_steps = {}
     # G2RPO's SDE step, KL, trained steps, rollout and advantage, borrowed (a subclass would inherit G2RPO's flags)
     step, kl, trained_steps, rollout, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.rollout, \

@@ -251,6 +251,12 @@ TABLE = {
                            lora_rank=64, member_chunks=2),
     "mixgrpo": dict(window_size=4, window_every=25, window_stride=1, group_size=12, num_steps=25, eta=0.7, lr=1e-5,
                     clip_range=1e-4, kl_beta=0.0, member_chunks=4),
+    # the G2RPO series (tests/test_series.py tests their formulas): scripts/train_pavegrpo.sh, train_adagrpo.sh
+    "pavegrpo": dict(group_size=12, num_steps=16, eta=0.8, lr=2e-6, sde_steps=[0, 2, 4, 6], resolution=512,
+                     lora_rank=0, sub_steps=[2, 3], granularities=[1], rewards=["hpsv3=1.0"], num_iterations=300),
+    "adagrpo": dict(group_size=12, num_steps=16, eta=0.7, lr=2e-6, sde_steps=[0, 2, 4, 6], resolution=512,
+                    lora_rank=0, granularities=[1], curriculum_pool=10, curriculum_ema=0.8, global_advantage=True,
+                    rewards=["hpsv3=1.0"], gradient_checkpointing=False),
 }
 # what a method of whole trajectories runs, by construction, where G2RPO runs otherwise
 FIXED = {"dancegrpo": dict(same_noise=True, per_step_advantages=False),

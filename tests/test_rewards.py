@@ -156,6 +156,94 @@ def test_aesthetic_head(hf_clip_folders, tmp_path):
     torch.testing.assert_close(scores, expected, atol=2e-3, rtol=0)
 
 
+QWEN2VL_CHAT = (  # Qwen2-VL's chat template, the parts an image-then-text user turn uses
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a "
+    "helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% for content in message['content'] "
+    "%}{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hpsv3_files(tmp_path_factory):
+    """A tiny random Qwen2-VL (a byte-level tokenizer with Qwen's special tokens, its processor and config) saved as
+    --hpsv3-base, and an HPSv3 checkpoint of it with a random head, under the names HPSv3's file uses."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    folder = tmp_path_factory.mktemp("hpsv3")
+    torch.manual_seed(0)
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    vocab.update({token: len(vocab) + i for i, token in enumerate(specials)})
+    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>",
+                                            pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
+    processor = transformers.Qwen2VLProcessor(image_processor=transformers.Qwen2VLImageProcessor(), tokenizer=tokenizer,
+                                              video_processor=transformers.Qwen2VLVideoProcessor(),
+                                              chat_template=QWEN2VL_CHAT)
+    token = tokenizer.convert_tokens_to_ids
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+                         pad_token_id=token("<|endoftext|>"), eos_token_id=token("<|im_end|>"), bos_token_id=None),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=False)  # the vocabulary has one row more: <|Reward|>
+    base = str(folder / "qwen2vl")
+    processor.save_pretrained(base)
+    config.save_pretrained(base)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    head = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
+                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
+    state = {("visual." + k.removeprefix("model.visual.") if k.startswith("model.visual.") else
+              "model." + k.removeprefix("model.language_model.") if k.startswith("model.language_model.") else k):
+             v.contiguous() for k, v in model.state_dict().items()}
+    state.update({f"rm_head.{k}": v for k, v in head.state_dict().items()})
+    save_file(state, str(folder / "HPSv3.safetensors"))
+    return {"hpsv3_checkpoint": str(folder / "HPSv3.safetensors"), "hpsv3_base": base}, model, head, processor
+
+
+def test_hpsv3_is_its_head_at_the_reward_token(hpsv3_files):
+    """HPSv3 restated: one chat turn (the image, the rubric around the caption, <|Reward|>), the image resized to
+    256 x 28 x 28 pixels in multiples of 28, the vision tower's tokens in the image's slots, the language model with
+    sequential positions, the head's first output at the <|Reward|> token."""
+    paths, model, head, processor = hpsv3_files
+    fn = load_reward("hpsv3", paths=paths, batch_size=2)
+    images = smooth_images()  # 64 x 48: 504 x 392 after the resize (18 x 14 patches of 28)
+    got = fn(images, PROMPTS)
+    tokenizer = processor.tokenizer
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|Reward|>"]}, replace_extra_special_tokens=False)
+    instruction = open(rewards.HPSV3_INSTRUCTION, encoding="utf-8").read()
+    assert instruction.rstrip().endswith("<|Reward|>\n\nEND") and "{text_prompt}" in instruction
+    expected = []
+    for image, prompt in zip(images, PROMPTS):
+        text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+                "<|image_pad|><|vision_end|>" + instruction.format(text_prompt=prompt) + "<|im_end|>\n"
+                "<|im_start|>assistant\n")
+        pixels = F.interpolate(image[None], size=(504, 392), mode="bicubic", antialias=True, align_corners=False)
+        batch = processor(text=[text], images=[pixels[0].clamp(0, 1)], return_tensors="pt", do_resize=False,
+                          do_rescale=False)
+        assert batch["image_grid_thw"].tolist() == [[1, 36, 28]]
+        with torch.no_grad():
+            embeds = model.model.get_input_embeddings()(batch["input_ids"])
+            image_tokens = torch.cat(list(model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+                                          .pooler_output))
+            slots = batch["input_ids"][0] == model.config.image_token_id
+            embeds[0, slots] = image_tokens
+            positions = torch.arange(embeds.shape[1])[None]
+            hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
+            at = batch["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|Reward|>")
+            expected.append(float(head(hidden[0, at])[0, 0]))
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=1e-4)
+    assert float(got.std()) > 0
+    parse_rewards(["hpsv3=1.0"])  # a name of the registry, so --rewards hpsv3=1.0 reaches it
+
+
 def test_shapes_reward_prefers_the_named_attributes():
     from lab import tiny
 
