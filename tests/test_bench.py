@@ -97,6 +97,16 @@ def test_the_budget_counts_the_runs_own_flags():
     assert iterations == {"G2RPO {1,2,3}": 3000 // 232, "full SDE, same M": 3000 // 64}
 
 
+def test_the_series_rows_count_their_extra_forwards():
+    """Part 1 and the budget count AdaGRPO's pool of anchors (N forwards a candidate) and Pave-GRPO's sub-steps."""
+    rows = {r[0]: r for r in bench.part1()}
+    g2rpo = bench.recipe_cost("pavegrpo")  # the same rollout as AdaGRPO's at --model flux, but eta
+    assert rows["--method adagrpo"][2] == g2rpo[2] + 10 * 16 and rows["--method pavegrpo"][4] == 4 * (1 + 1 + 2)
+    tiny = ["--model", "tiny", "--prompts-per-iteration", "4"]
+    assert bench._nfe_per_iteration([*tiny, "--method", "adagrpo"]) == bench._nfe_per_iteration(tiny) + 10 * 8 * 4
+    assert {"Pave-GRPO", "AdaGRPO"} <= set(bench.PEERS)
+
+
 def test_the_default_rows_and_the_peers():
     # the paper's two claims and the controls; the peers' recipes under --peers, or named in --methods
     assert bench.chosen_rows(bench.Args()) == [*bench.HEADLINE, *bench.CONTROLS]

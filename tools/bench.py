@@ -119,11 +119,15 @@ def recipe_cost(method):
     steps = rollout.sde_steps
     per_member = int(getattr(a, "timestep_fraction", 1.0) * len(steps))
     forwards = rollout.start_latents.shape[2] * per_member  # start latents a prompt (1, or G) x steps each trains
+    forwards *= getattr(flags.method_of(a), "update_forwards", lambda: 1)()  # Pave-GRPO's sub-steps
+    nfe = rollout.nfe + a.curriculum_pool * a.num_steps  # AdaGRPO's pool: an ODE anchor per candidate
     if hasattr(a, "window_size"):
         label = f"G {a.group_size}, N {a.num_steps}, window {a.window_size} ({method})"
     else:
         label = f"G {a.group_size}, N {a.num_steps}, {per_member} of steps 0..{max(steps)} trained a member"
-    return (f"--method {method}", label, rollout.nfe, rollout.calls, forwards)
+    if a.curriculum_pool:
+        label += f", a pool of {a.curriculum_pool} anchors"
+    return (f"--method {method}", label, nfe, rollout.calls, forwards)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,6 +229,8 @@ PEERS = {  # under --peers: each run forwards every member in its update, two to
     "Flow-GRPO": ["--method", "flow-grpo"],
     "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
     "MixGRPO": ["--method", "mixgrpo"],
+    "Pave-GRPO": ["--method", "pavegrpo"],  # the G2RPO series: G2RPO's rollout, its authors' on-policy loss
+    "AdaGRPO": ["--method", "adagrpo"],
 }
 G2RPO_ROW = "G2RPO {1,2,3}"
 OTHER_SEEDS = 1000  # the negative control's training seeds start here
@@ -482,7 +488,8 @@ def _nfe_per_iteration(argv):
     """Rollout NFE of one iteration of train.py with these flags (a run's, --extra included), counted (the mixed
     samplers: the mean over one cycle of the sliding window, or over 64 random draws)."""
     a = flags.parse_args(argv)
-    count = lambda it: zero_rollout(a, it).nfe
+    pool = a.curriculum_pool * a.num_steps * (a.prompts_per_iteration or 1)  # AdaGRPO's anchors of the candidates
+    count = lambda it: zero_rollout(a, it).nfe + pool
     if not hasattr(a, "window_size"):
         return count(0)
     # a random window's 64 draws, or one position of each of the progressive window's: starts 0..N-2 (the last empty)
