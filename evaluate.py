@@ -466,7 +466,9 @@ def compare(args):
         args.output_dir = (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(first))), "eval") if first
                            else os.path.join("runs", f"eval_{rows[0].settings['model']}"))
     preset = family_defaults(rows[0].settings["model"])
-    metrics = args.metrics or preset["metrics"]
+    # by default the family's metrics and the held-out rewards the run trained beside (its --eval-rewards)
+    held_out = next((r.config.get("eval_rewards", []) for r in rows if r.config), [])
+    metrics = args.metrics or [*preset["metrics"], *(m for m in held_out if m not in preset["metrics"])]
     prompt_file = args.prompt_file or os.path.join(ROOT, preset["prompt_file"])
     prompts = read_prompts(prompt_file, "--prompt-file")[: args.num_prompts or None]
     args.seeds, args.batch_size = args.seeds or preset["seeds"], args.batch_size or preset["batch_size"]

@@ -347,6 +347,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             save(done)
             saved = done
         if stop:
+            bar.close()
             run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
             return
     bar.close()

@@ -3,7 +3,8 @@
 Reward hacking is a trained reward that climbs while the images get worse: grid artifacts, blown-out colours, every
 seed of a prompt drawing the same picture. A run sees it only through what it does not train on, so at every
 held-out evaluation train.py scores the same images with
-  - the held-out rewards (--eval-rewards), reward models the training never sees (logged as eval/heldout/<name>);
+  - the held-out rewards (--eval-rewards), reward models the training never sees (logged as eval/heldout/<name>),
+    and the strict success rate of a reward that has one (the tiny world's, eval/success/<name>);
   - three image statistics (eval/stats/<name>), each with its standard error:
       saturation  the share of clipped channel values (0 or 1 after decoding), per image;
       grid        the share of an image's spectral power (its mean removed) on the lattice of the VAE's patch
@@ -89,12 +90,14 @@ def check(first: dict, now: dict, limits: Limits):
             if change[2] > limits.z:
                 risen.append(f"the trained reward {name} rose {change[0]:.4f} -> {change[1]:.4f} "
                              f"({change[2]:+.1f} SE)")
-    for name in names("heldout"):
-        change = _change(first, now, f"heldout/{name}")
-        if change is not None:
-            metrics[f"watch/heldout_z/{name}"] = change[2]
-            if change[2] < -limits.z:
-                worse.append(f"the held-out {name} fell {change[0]:.4f} -> {change[1]:.4f} ({change[2]:+.1f} SE)")
+    # held out: the rewards of --eval-rewards, and the strict success rates (the tiny world's), which no reward trains
+    for kind, label in (("heldout", "held-out reward"), ("success", "success rate")):
+        for name in names(kind):
+            change = _change(first, now, f"{kind}/{name}")
+            if change is not None:
+                metrics[f"watch/{kind}_z/{name}"] = change[2]
+                if change[2] < -limits.z:
+                    worse.append(f"the {label} {name} fell {change[0]:.4f} -> {change[1]:.4f} ({change[2]:+.1f} SE)")
     first_stats = {name: first.get(f"eval/stats/{name}") for name in names("stats")}
     for name, moved in (("saturation", lambda a, b: b - a > limits.saturation),
                         ("grid", lambda a, b: b > limits.grid * max(a, 1e-6)),

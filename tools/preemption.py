@@ -7,7 +7,8 @@ is the newest checkpoint's time less the signal's, once checkpoint.verify passes
 
     python -m tools.preemption                  # about 6 minutes on 2 cores (the tiny model is cached once first)
 
-Flags of train.py after `--` go to every job (e.g. `-- --inner-epochs 8`).
+Phases named before `--` are measured alone (`python -m tools.preemption evaluation`); flags of train.py after `--`
+go to every job (e.g. `-- --inner-epochs 8`).
 """
 import json
 import os
@@ -26,7 +27,7 @@ PHASES = {
     "rollout": ([], r"stopped during iteration \d+, before its update"),
     "decode + reward": (["--reward-batch-size", "1"], r"stopped during iteration \d+, before its update"),
     "update": (["--inner-epochs", "8"], r"stopped during iteration \d+'s update"),
-    "evaluation": (["--eval-every", "1", "--eval-seeds", "8"], r"stopped after iteration \d+"),
+    "evaluation": (["--eval-every", "1", "--eval-seeds", "48"], r"stopped after iteration \d+"),
 }
 COMMON = ["--model", "tiny", "--num-iterations", "100", "--checkpoint-every", "1000", "--log-with", "none"]
 
@@ -66,10 +67,12 @@ def measure(phase, extra, out):
     signalled = time.time()
     job.send_signal(signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
-    stopped = next((line for line in output.splitlines() if line.startswith("stopped ")), None)
+    found = re.search(r"stopped (?:during|after) [^\r\n]*", output)  # (a progress bar may share its line)
+    stopped = found.group(0) if found else None
     if stopped is None or not re.match(expected, stopped):
         raise SystemExit(f"error: the signal missed the {phase} (stop line: {stopped!r}); the phases' lengths moved "
-                         f"between iterations on this machine: run it again")
+                         f"between iterations on this machine: run it again. The run's last lines:\n"
+                         + "\n".join(output.splitlines()[-6:]))
     newest = checkpoint.latest_checkpoint(out)
     problem = checkpoint.verify(newest) if newest else "no checkpoint"
     if problem:
@@ -79,12 +82,16 @@ def measure(phase, extra, out):
 
 def main(argv):
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    phases = argv[: argv.index("--")] if "--" in argv else argv
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise SystemExit(f"error: unknown phase {unknown[0]!r}; choose from {', '.join(PHASES)}")
     from lab import tiny
 
     tiny.ensure_pretrained(os.path.join(ROOT, ".cache"))
     print("| phase the SIGTERM lands in | phase length s | SIGTERM -> verified checkpoint s | the run's stop line |")
     print("|---|---|---|---|")
-    for phase in PHASES:
+    for phase in phases or PHASES:
         with tempfile.TemporaryDirectory() as tmp:
             seconds, line, length = measure(phase, extra, os.path.join(tmp, "run"))
         line = line.split(";")[0]
