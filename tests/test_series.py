@@ -171,3 +171,13 @@ def test_the_curriculum_and_global_advantage_plug_into_a_peer(method, tiny_cache
     assert row["perf/nfe"] > 2 * 2 * 8
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["curriculum_pool"] == 2 and config["global_advantage"]
+
+
+def test_both_methods_parse_for_every_family():
+    from lab import flags
+
+    for method in ("pavegrpo", "adagrpo"):
+        for model in flags.PRESETS:
+            args = flags.parse_args(["--model", model, "--method", method])
+            flags.check_flags(args, world=1)
+            assert (args.curriculum_pool > 0) == (method == "adagrpo"), (model, method)
