@@ -16,6 +16,7 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | hpsv3         | transformers Qwen2-VL-7B + HPSv3's MLP head (MizzenAI/HPSv3) | its mu, ~10 for FLUX.1-dev        |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
 | shapes        | none: the tiny world's pixel rule (lab/tiny.py)                  | colour, position, shape in [0, 1] |
+| colour-area   | none: the named colour's share of the picture (lab/tiny.py)  | 4 x that share, at most 1; hackable |
 
 Several rewards are combined by the method's advantage. G2RPO's (advantage.py) normalises each within its group
 before the weighted sum, so a reward on a larger scale (PickScore ~20) does not drown one on a smaller scale (HPS
@@ -334,6 +335,14 @@ def shapes(device, dtype, batch_size, paths):
     return reward
 
 
+def colour_area(device, dtype, batch_size, paths):
+    """The tiny world's hackable reward: the named colour's share of the picture (lab/tiny.py), for showing the
+    reward-hacking watch; train on it with --eval-rewards shapes to see the watch fire."""
+    from lab.tiny import colour_area as area
+
+    return _batched(lambda images, prompts: area(images.to(device), prompts), batch_size)
+
+
 def unifiedreward(device, dtype, batch_size, paths):
     """UnifiedReward: a vision-language judge behind an OpenAI-compatible chat-completions server (vLLM, SGLang);
     its HTTP client is lab/judge.py. Each image goes to the server as a PNG beside the scoring question, and the score
@@ -402,6 +411,7 @@ REWARDS: dict[str, Reward] = {
                                                     "HPSv3 was trained on."),
     }),
     "shapes": Reward(shapes),
+    "colour-area": Reward(colour_area),
 }
 
 

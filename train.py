@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lab import checkpoint
+from lab import checkpoint, watch
 import rewards
 from g2rpo import update_loss
 from lab.flags import changed_from_preset, fail, method_of, parse_args, validate, warn_long_prompts
@@ -208,6 +208,11 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
 
 
 @torch.no_grad()
+def first_frame(images):
+    """Images (N, 3, H, W) as they are; videos (N, 3, F, H, W) by their first frame (the watch's statistics)."""
+    return images if images.dim() == 4 else images[:, :, 0]
+
+
 def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None,
                   check_stop=lambda: None):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
@@ -220,10 +225,17 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
-    # every reward's score, and the strict pass of those that have one (the tiny world's success rate)
+    # every reward's score, the held-out rewards' (--eval-rewards), the strict pass of those that have one (the tiny
+    # world's success rate), and the per-image statistics of the reward-hacking watch
+    period = getattr(policy.adapter.pipe, "vae_scale_factor", 8) * 2  # pixels of one latent patch
     fns = {**{f"reward/{name}": fn for name, fn in reward_models.fns.items()},
-           **{f"success/{name}": fn for name, fn in rewards.success_fns(reward_models.fns).items()}}
+           **{f"heldout/{name}": fn for name, fn in reward_models.held_out.items()},
+           **{f"success/{name}": fn for name, fn in
+              rewards.success_fns({**reward_models.fns, **reward_models.held_out}).items()},
+           "stats/saturation": lambda images, prompts: watch.saturation(first_frame(images)),
+           "stats/grid": lambda images, prompts: watch.grid_energy(first_frame(images), period)}
     per_seed = torch.zeros(len(fns), seeds, 3, dtype=torch.float64)  # (R, seeds, (sum, count, sum of squares))
+    small = torch.zeros(len(mine), 3, 32, 32)  # every image, small, for the diversity over seeds
     grid = []
     if policy.ema is not None:
         policy.ema.swap()
@@ -238,6 +250,8 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
             for i in range(0, len(chunk), args.reward_batch_size):
                 images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.size)  # (b', 3, H, W)
                 batch = chunk[i : i + args.reward_batch_size]
+                small[start + i : start + i + len(batch)] = torch.nn.functional.interpolate(
+                    first_frame(images).float().cpu(), size=(32, 32), mode="area")
                 for r, fn in enumerate(fns.values()):
                     scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
                     for n, ((_, s), v) in enumerate(zip(batch, scores)):
@@ -250,7 +264,16 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
             policy.ema.swap()
     if distributed:
         dist.all_reduce(per_seed)
+        shares = [torch.zeros_like(small) for _ in range(world)]
+        dist.all_gather(shares, small)
+        small = torch.cat(shares)
+    every = small[: len(items)]  # each rank's share in order, its padding past the end
+    prompt_of = torch.tensor([p for p, _ in items])
     metrics = {}
+    spread = watch.diversity(every, prompt_of)  # (prompts with 2 or more seeds,)
+    if len(spread):
+        metrics["eval/stats/diversity"] = float(spread.mean())
+        metrics["eval/stats_se/diversity"] = float(spread.std()) / len(spread) ** 0.5 if len(spread) > 1 else 0.0
     for r, key in enumerate(fns):
         means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
         kind, name = key.split("/", 1)
@@ -298,6 +321,8 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations, disable=not run.master,
                dynamic_ncols=True)
     metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
+    limits = watch.Limits(saturation=args.watch_saturation, grid=args.watch_grid, diversity=args.watch_diversity,
+                          z=args.watch_z)
     for it in bar:
         run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
         try:
@@ -330,25 +355,35 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             check = None  # it ran with this iteration's update
         faulty = run.count_faults(metrics)
         done = it + 1
+        hacked = []
         if (done % args.eval_every == 0 or done == args.num_iterations) and not run.should_stop():
             try:
                 eval_metrics, images = held_out(args.final_eval_seeds if done == args.num_iterations else None)
                 metrics.update(eval_metrics)
                 run.save_grid(images, done, shown, captions)
+                # the reward-hacking watch: the trained rewards' change since the first evaluation against the
+                # held-out ones' and the image statistics'
+                hacked, watched = watch.check(before, eval_metrics, limits)
+                metrics.update(watched)
+                if hacked:
+                    bar.clear()
+                    run.log(f"warning: reward hacking? from iteration 0 to {done}, {hacked[0]}; look at "
+                            f"samples/ (--stop-on-hacking stops here)")
             except Preempted:  # the iteration is whole: it is saved below, without its evaluation
                 pass
         run.write_metrics(done, metrics)
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
                         s_it=f"{metrics['time/iteration']:.1f}")
-        stop = run.should_stop()
+        stop = run.should_stop() or bool(hacked and args.stop_on_hacking)
         # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
             save(done)
             saved = done
         if stop:
             bar.close()
-            run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
+            why = " (the reward-hacking watch fired, --stop-on-hacking)" if hacked and args.stop_on_hacking else ""
+            run.stopped(done, f"stopped after iteration {done}{why}; continue with the same command plus --resume")
             return
     bar.close()
     if run.optimizer_steps == 0 and run.skipped_steps:  # (MixGRPO's empty window trains nothing, and is no fault)
@@ -435,6 +470,7 @@ class RewardModels:
 
     fns: dict
     weights: dict
+    held_out: dict = dataclasses.field(default_factory=dict)  # --eval-rewards: evaluations only, never trained on
 
 
 def build_policy(args, device, dtype, distributed, log) -> Policy:
@@ -460,11 +496,15 @@ def build_policy(args, device, dtype, distributed, log) -> Policy:
 
 def load_reward_models(args, device, dtype, weights) -> RewardModels:
     """Every reward model of --rewards (rewards.py), by name, with its weight."""
+    load = lambda name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
+                                            frames_every=args.reward_frames)
     try:
-        return RewardModels({name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
-                                                       frames_every=args.reward_frames) for name in weights}, weights)
+        return RewardModels({name: load(name) for name in weights}, weights,
+                            {name: load(name) for name in args.eval_rewards})
     except rewards.RewardError as err:
-        fail(str(err))
+        fail(f"{err} (a reward of --eval-rewards: give its files, or drop it with --eval-rewards naming the others)"
+             if any(f"'{name}'" in str(err) or name in str(err).split(":")[0] for name in args.eval_rewards)
+             else str(err))
 
 
 def make_policy(args, adapter, device, dtype, distributed, foreach=None, mesh=None) -> Policy:

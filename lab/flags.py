@@ -222,6 +222,21 @@ class TrainArgs:
     eval_prompts: int = 48
     """Held-out prompts in the in-training evaluation, spread evenly over --eval-prompt-file (0 = all). At the flux
     preset, 48 prompts x 2 seeds cost about 4 % of the run's rollout forwards; the full table is evaluate.py's job."""
+    eval_rewards: list[str] = field(default_factory=list)
+    """Held-out reward models (names as in --rewards, no weights) that score every held-out evaluation's images and
+    that training never sees, logged as eval/heldout/<name>; the reward-hacking watch compares them with the trained
+    rewards (lab/watch.py). --model flux: clip and pickscore, the paper's other columns with public weights."""
+    stop_on_hacking: bool = False
+    """When the reward-hacking watch fires after an evaluation, save a checkpoint and stop (else it warns)."""
+    watch_z: float = 2.0
+    """The watch counts a reward's change since the first evaluation as a rise or a fall beyond this many standard
+    errors of the difference."""
+    watch_saturation: float = 0.05
+    """The watch's limit on the rise of the held-out images' clipped share (eval/stats/saturation)."""
+    watch_grid: float = 2.0
+    """The watch's limit on the held-out images' grid energy, as a multiple of the first evaluation's."""
+    watch_diversity: float = 0.5
+    """The watch's limit on the held-out images' diversity over seeds, as a fraction of the first evaluation's."""
     keep_checkpoints: int = 2
     """Checkpoints kept in checkpoints/: the newest this many (0 = all); each removal is printed, and one holding
     files the run did not write (an export) is kept."""
@@ -320,7 +335,7 @@ def own_flags(method: str) -> list[str]:
     return [name for name, _, _ in method_fields(method)]
 
 PRESETS = {
-    "flux": {},
+    "flux": dict(eval_rewards=["clip", "pickscore"]),
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, max_sequence_length=256,
                 resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
     # Z-Image-Turbo as its model card samples it: 1024², 9 steps of the shift-3 schedule, no guidance; LoRA on one GPU
@@ -557,6 +572,9 @@ RULES = {
     "first_eval_seeds": at_least(0, " (0 = --final-eval-seeds)"),
     "eval_prompts": at_least(0, " (0 = every held-out prompt)"), "checkpoint_every": at_least(1),
     "keep_checkpoints": at_least(0, " (0 = keep all)"),
+    "watch_z": above(0, " (typ. 2)"), "watch_saturation": above(0, " (a share, typ. 0.05)"),
+    "watch_grid": above(1, " (a multiple of the first evaluation's, typ. 2)"),
+    "watch_diversity": ((lambda v: 0 < v < 1), "in (0, 1) (a fraction of the first evaluation's, typ. 0.5)"),
     "seed": ((lambda v: 0 <= v <= 10**9), "in 0..1000000000 (it keys every noise generator, which must not overflow)"),
     "dist_timeout_minutes": above(0),
 }
@@ -731,6 +749,16 @@ def check_flags(args, world: int, log=print):
         weights = rewards.parse_rewards(args.rewards)
     except rewards.RewardError as err:
         refuse(str(err))
+    try:
+        held_out = rewards.parse_rewards(args.eval_rewards)
+    except rewards.RewardError as err:
+        refuse(f"--eval-rewards: {err}")
+    trained = sorted(set(held_out) & set(weights))
+    if trained:
+        refuse(f"--eval-rewards {trained[0]} is trained on (--rewards); a held-out reward must be one training never "
+               f"sees: drop it from one of the two")
+    if any(held_out[n] != 1.0 for n in held_out):
+        refuse(f"--eval-rewards takes names without weights ({args.eval_rewards}); e.g. --eval-rewards clip pickscore")
     for line in method.notes(sigma_schedule(args.num_steps, args.shift)) if hasattr(method, "notes") else []:
         log(line)
     return weights

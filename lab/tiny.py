@@ -186,6 +186,22 @@ def shape_success(images, prompts):
     return passes.to(device)
 
 
+def colour_area(images, prompts):
+    """A reward that can be hacked, to show the reward-hacking watch (lab/watch.py) at work: the share of the
+    image's pixels in the named colour (nearest to it of the palette and within 0.15, as `shape_success` counts
+    them), times 4, at most 1, (N,). It pays for more and bigger blobs of that colour whatever their shape and place,
+    which the strict pass (exactly one object, of the named shape, in the named half) and `shape_reward` refuse."""
+    images = images.float()
+    N = images.shape[0]
+    palette = torch.tensor(list(COLOURS.values()), device=images.device)  # (4, 3)
+    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
+    named = torch.tensor([list(COLOURS).index(c) if c in COLOURS else 0 for c, _, _ in map(parse, prompts)],
+                         device=images.device)  # (N,)
+    near = distance.gather(1, named[:, None, None, None].expand(N, 1, *distance.shape[2:]))[:, 0]  # (N, H, W)
+    ours = (near < 0.15) & (distance.argmin(1) == named[:, None, None])  # (N, H, W)
+    return (4 * ours.float().mean((1, 2))).clamp(max=1.0)
+
+
 # --- building the tiny pipeline -------------------------------------------------------------------------------
 
 def quick_start_standing(success: float, changed: list) -> str:

@@ -57,6 +57,9 @@ def diversity(images, prompt_of):
     return torch.stack(values) if values else torch.empty(0)
 
 
+GRID_FLOOR = 0.01  # grid energy below this share is no pattern (a smooth image's is 0.001-0.03): no ratio of it counts
+
+
 @dataclass
 class Limits:
     """How far a statistic may move from the first evaluation before the watch names it."""
@@ -100,7 +103,7 @@ def check(first: dict, now: dict, limits: Limits):
                     worse.append(f"the {label} {name} fell {change[0]:.4f} -> {change[1]:.4f} ({change[2]:+.1f} SE)")
     first_stats = {name: first.get(f"eval/stats/{name}") for name in names("stats")}
     for name, moved in (("saturation", lambda a, b: b - a > limits.saturation),
-                        ("grid", lambda a, b: b > limits.grid * max(a, 1e-6)),
+                        ("grid", lambda a, b: b > limits.grid * max(a, GRID_FLOOR)),
                         ("diversity", lambda a, b: b < limits.diversity * a)):
         a, b = first_stats.get(name), now.get(f"eval/stats/{name}")
         if a is None or b is None:

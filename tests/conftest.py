@@ -240,7 +240,8 @@ QUICK_ANY = ["--resolution", "32", "--num-steps", "4", "--group-size", "3", "--s
              "--prompts-per-iteration", "2", "--rewards", "shapes=1.0",
              "--prompt-file", os.path.join(ROOT, "prompts", "tiny_train.txt"),
              "--eval-prompt-file", os.path.join(ROOT, "prompts", "tiny_eval.txt"), "--eval-seeds", "1",
-             "--max-sequence-length", "16", "--mixed-precision", "no", "--no-gradient-checkpointing"]
+             "--max-sequence-length", "16", "--mixed-precision", "no", "--no-gradient-checkpointing",
+             "--eval-rewards"]  # none: --model flux would score clip and pickscore, whose weights no test downloads
 QUICK = [*QUICK_ANY, "--granularities", "1", "2"]
 
 
