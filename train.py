@@ -499,12 +499,13 @@ def load_reward_models(args, device, dtype, weights) -> RewardModels:
     load = lambda name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
                                             frames_every=args.reward_frames)
     try:
-        return RewardModels({name: load(name) for name in weights}, weights,
-                            {name: load(name) for name in args.eval_rewards})
+        fns = {name: load(name) for name in weights}
     except rewards.RewardError as err:
-        fail(f"{err} (a reward of --eval-rewards: give its files, or drop it with --eval-rewards naming the others)"
-             if any(f"'{name}'" in str(err) or name in str(err).split(":")[0] for name in args.eval_rewards)
-             else str(err))
+        fail(str(err))
+    try:
+        return RewardModels(fns, weights, {name: load(name) for name in args.eval_rewards})
+    except rewards.RewardError as err:
+        fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
 
 
 def make_policy(args, adapter, device, dtype, distributed, foreach=None, mesh=None) -> Policy:

@@ -235,8 +235,9 @@ class TrainArgs:
     """The watch's limit on the rise of the held-out images' clipped share (eval/stats/saturation)."""
     watch_grid: float = 2.0
     """The watch's limit on the held-out images' grid energy, as a multiple of the first evaluation's."""
-    watch_diversity: float = 0.5
-    """The watch's limit on the held-out images' diversity over seeds, as a fraction of the first evaluation's."""
+    watch_diversity: float = 0.3
+    """The watch's limit on the held-out images' diversity over seeds, as a fraction of the first evaluation's (the
+    tiny quick start's honest runs end at about half of it: RL narrows a prompt's pictures)."""
     keep_checkpoints: int = 2
     """Checkpoints kept in checkpoints/: the newest this many (0 = all); each removal is printed, and one holding
     files the run did not write (an export) is kept."""
@@ -574,7 +575,7 @@ RULES = {
     "keep_checkpoints": at_least(0, " (0 = keep all)"),
     "watch_z": above(0, " (typ. 2)"), "watch_saturation": above(0, " (a share, typ. 0.05)"),
     "watch_grid": above(1, " (a multiple of the first evaluation's, typ. 2)"),
-    "watch_diversity": ((lambda v: 0 < v < 1), "in (0, 1) (a fraction of the first evaluation's, typ. 0.5)"),
+    "watch_diversity": ((lambda v: 0 < v < 1), "in (0, 1) (a fraction of the first evaluation's, typ. 0.3)"),
     "seed": ((lambda v: 0 <= v <= 10**9), "in 0..1000000000 (it keys every noise generator, which must not overflow)"),
     "dist_timeout_minutes": above(0),
 }
@@ -750,7 +751,7 @@ def check_flags(args, world: int, log=print):
     except rewards.RewardError as err:
         refuse(str(err))
     try:
-        held_out = rewards.parse_rewards(args.eval_rewards)
+        held_out = rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}
     except rewards.RewardError as err:
         refuse(f"--eval-rewards: {err}")
     trained = sorted(set(held_out) & set(weights))

@@ -57,7 +57,7 @@ def diversity(images, prompt_of):
     return torch.stack(values) if values else torch.empty(0)
 
 
-GRID_FLOOR = 0.01  # grid energy below this share is no pattern (a smooth image's is 0.001-0.03): no ratio of it counts
+GRID_FLOOR = 0.02  # grid energy below this share is no pattern (the tiny world's images: 0.001-0.015): no ratio of it counts
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Limits:
 
     saturation: float = 0.05  # absolute rise of the clipped share
     grid: float = 2.0  # ratio to the first evaluation's grid energy
-    diversity: float = 0.5  # ratio to the first evaluation's diversity (a fall below it)
+    diversity: float = 0.3  # ratio to the first evaluation's diversity (a fall below it)
     z: float = 2.0  # standard errors of a reward's change that count as a rise or a fall
 
 

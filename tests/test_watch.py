@@ -115,3 +115,14 @@ def test_a_run_logs_its_held_out_rewards_and_statistics_and_evaluate_shows_them(
     assert code in (0, None), stderr
     header = next(line for line in stdout.splitlines() if line.startswith("|"))
     assert "shapes" in header and "colour-area" in header, header
+
+
+def test_a_held_out_reward_without_its_weights_is_one_line(tiny_cache, tmp_path):
+    from conftest import run_train
+    from test_baselines import SMALL
+
+    proc = run_train([*SMALL, "--tiny-cache", tiny_cache, "--eval-rewards", "hps", "--hps-checkpoint",
+                      str(tmp_path / "missing.pt"), "--output-dir", str(tmp_path / "run"), "--num-iterations", "1"],
+                     check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1].startswith("error: --eval-rewards: the HPS-v2.1 checkpoint not found"), err

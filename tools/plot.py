@@ -1,7 +1,8 @@
 """Plot training curves: the train and eval rewards of one or more runs against iteration and rollout NFE.
 
-Each run folder's metrics.jsonl (as train.py writes it) gives a solid line per train/reward/<name> and a dashed,
-dotted one per eval/reward/<name>; the right panel puts the same curves against cumulative rollout NFE, the cost
+Each run folder's metrics.jsonl (as train.py writes it) gives a solid line per train/reward/<name>, a dashed,
+dotted one per eval/reward/<name> and a dotted one per held-out reward (eval/heldout/<name>), with a red line at each
+evaluation where the reward-hacking watch fired; the right panel puts the same curves against cumulative rollout NFE, the cost
 axis on which methods with other group sizes or step sets compare fairly.
 
 Run:
@@ -46,14 +47,15 @@ def read_metrics(run: str) -> list[dict]:
 
 
 def reward_curves(rows: list[dict]) -> dict:
-    """{key: (iterations, cumulative NFE, values)} for every train/reward/<name> and eval/reward/<name>; the NFE
+    """{key: (iterations, cumulative NFE, values)} for every train/reward/<name>, eval/reward/<name> and
+    eval/heldout/<name> (the held-out rewards of --eval-rewards, which the reward-hacking watch reads); the NFE
     of a row is the rollout's forwards up to and including that iteration (perf/nfe summed)."""
     curves, nfe = {}, 0
     for row in rows:
         nfe += row.get("perf/nfe") if isinstance(row.get("perf/nfe"), (int, float)) else 0
         for key, value in row.items():
             parts = key.split("/")
-            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"]) \
+            if len(parts) == 3 and parts[:2] in (["train", "reward"], ["eval", "reward"], ["eval", "heldout"]) \
                     and isinstance(value, (int, float)) and math.isfinite(value):  # a non-number is skipped
                 its, nfes, values = curves.setdefault(key, ([], [], []))
                 its.append(row["iteration"]), nfes.append(nfe), values.append(value)
@@ -70,14 +72,19 @@ def plot_runs(runs: list[str], path: str):
     fig, (by_iteration, by_nfe) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in runs:
         for key, (its, nfes, values) in sorted(reward_curves(read_metrics(run)).items()):
-            split, _, name = key.split("/")
+            split, kind, name = key.split("/")
             style = dict(linestyle="-") if split == "train" else dict(linestyle="--", marker="o", markersize=3)
+            if kind == "heldout":
+                split, style = "held-out", dict(linestyle=":", marker="s", markersize=3)
             if len(values) == 1:  # a line of one point draws nothing: mark it
                 style = {**style, "marker": "o", "markersize": 4}
             label = f"{os.path.basename(os.path.normpath(run))}: {split} {name}"
             by_iteration.plot(its, values, label=label, **style)
             by_nfe.plot(nfes, values, label=label, **style)
-    by_iteration.set_xlabel("iteration")
+        for row in read_metrics(run):  # the evaluations at which the reward-hacking watch fired
+            if row.get("watch/fired"):
+                by_iteration.axvline(row["iteration"], color="red", alpha=0.3, linewidth=1)
+    by_iteration.set_xlabel("iteration (red: the reward-hacking watch fired)")
     by_nfe.set_xlabel("cumulative rollout NFE (image-forwards)")
     for axis in (by_iteration, by_nfe):
         axis.set_ylabel("reward")
