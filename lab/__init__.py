@@ -7,6 +7,7 @@
     kernels.py     attention kernels, autocast, compilation, the FP8 rollout copy, the gradient self-check
     tiny.py        the tiny world: a small FLUX-architecture model pre-trained on the CPU, and its shapes reward
     judge.py       the HTTP client of a vision-language judge (UnifiedReward)
+    watch.py       the reward-hacking watch: statistics of the held-out images, the alarm on their changes
 
 The method files (sampler.py, advantage.py, g2rpo.py) and the peers in methods/ never import this package; the
 scripts (train.py, evaluate.py, tools/) use both. Inside it imports flow one way: run -> flags -> models -> kernels,
