@@ -319,18 +319,23 @@ SMALL = ["--model", "tiny", "--prompts-per-iteration", "2", "--eval-seeds", "1",
          "--final-eval-seeds", "1", "--eval-every", "100", "--checkpoint-every", "1", "--lr", "1e-3"]
 
 
-@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"])
-def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    common = [*SMALL, "--tiny-cache", tiny_cache, "--method", method]
-    run_train([*common, "--output-dir", straight, "--num-iterations", "2"])
-    # the same run stopped after iteration 1: its folder as the first checkpoint left it, then --resume
+def stopped_after_one(straight, resumed):
+    """`resumed`: a copy of the 2-iteration run `straight` as it stood after iteration 1 (its first checkpoint, its
+    first two metrics rows), to --resume from."""
     shutil.copytree(straight, resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", "iter_000002"))
     with open(os.path.join(resumed, "metrics.jsonl")) as f:
         lines = f.readlines()
     with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
         f.writelines(lines[:2])
+
+
+@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"])
+def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    common = [*SMALL, "--tiny-cache", tiny_cache, "--method", method]
+    run_train([*common, "--output-dir", straight, "--num-iterations", "2"])
+    stopped_after_one(straight, resumed)
     proc = run_train([*common, "--output-dir", resumed, "--num-iterations", "2", "--resume"])
     assert "resumed from" in proc.stdout
     a, b = transformer_weights(straight, 2), transformer_weights(resumed, 2)
