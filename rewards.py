@@ -286,8 +286,11 @@ def hpsv3(device, dtype, batch_size, paths):
     head_state = {k.removeprefix("rm_head."): state.pop(k) for k in [k for k in state if k.startswith("rm_head.")]}
     if not head_state:
         raise RewardError(f"{checkpoint} holds no rm_head.* weights: it is not an HPSv3 checkpoint")
-    config.text_config.vocab_size = state.get("model.embed_tokens.weight", state.get(
-        "model.language_model.embed_tokens.weight")).shape[0]  # Qwen2-VL's vocabulary and the <|Reward|> token
+    embeddings = state.get("model.embed_tokens.weight", state.get("model.language_model.embed_tokens.weight"))
+    if embeddings is None:
+        raise RewardError(f"{checkpoint} holds no token embeddings (model.embed_tokens.weight): it is not an HPSv3 "
+                          f"checkpoint")
+    config.text_config.vocab_size = embeddings.shape[0]  # Qwen2-VL's vocabulary and the <|Reward|> token
     model, loaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)  # (its 4.45 key names too)
     if loaded["missing_keys"]:

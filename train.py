@@ -128,7 +128,8 @@ def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, wo
                     * world,
                     # forwards with gradients (Pave-GRPO's sub-steps add theirs): start latents x trained steps x ...
                     "perf/update_nfe": rollout.start_latents.shape[0] * rollout.start_latents.shape[2] * len(steps)
-                    * method.inner_epochs * getattr(method, "update_forwards", lambda: 1)() * world,
+                    * method.inner_epochs * getattr(method, "update_forwards", lambda: 1)()
+                    * policy.adapter.forwards_per_velocity * world,
                     "perf/image_only_nfe": rollout.image_only_nfe * policy.adapter.forwards_per_velocity * world,
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
                     "time/update": t3 - t2, "time/iteration": t3 - t0, **pool_metrics})
@@ -207,12 +208,12 @@ def eval_items(num_prompts: int, eval_prompts: int, eval_seeds: int):
     return [(p, s) for s in range(eval_seeds) for p in chosen]
 
 
-@torch.no_grad()
 def first_frame(images):
     """Images (N, 3, H, W) as they are; videos (N, 3, F, H, W) by their first frame (the watch's statistics)."""
     return images if images.dim() == 4 else images[:, :, 0]
 
 
+@torch.no_grad()
 def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None,
                   check_stop=lambda: None):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
@@ -325,11 +326,16 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
                           z=args.watch_z)
     for it in bar:
         run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
+        # the curriculum's state as iteration `it` left it: a stop inside the next iteration saves this one, which
+        # the rerun of that iteration moves again
+        held = curriculum.state_dict() if curriculum is not None and curriculum.mean is not None else None
         try:
             metrics = iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
                                 check, run.check_stop, curriculum)
         except UpdateCut as cut:  # during the update, at an optimizer step: the weights are partly iteration it + 1's
             bar.close()
+            if held is not None:
+                curriculum.load_state_dict(held)
             if it > saved:  # the state of iteration `it` is gone from memory: these weights, cut short, stand for it
                 save(it)
                 line = (f"the checkpoint of iteration {it} is written with the first {cut.steps} optimizer steps of "
@@ -344,6 +350,8 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
             return
         except Preempted:  # during the rollout or its scoring: the weights are still those of iteration `it`
             bar.close()
+            if held is not None:
+                curriculum.load_state_dict(held)
             if it > saved:
                 save(it)
             written = "written" if it else "none: no iteration was complete"
@@ -375,15 +383,20 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
                         s_it=f"{metrics['time/iteration']:.1f}")
-        stop = run.should_stop() or bool(hacked and args.stop_on_hacking)
+        stop = run.should_stop() or any_rank(bool(hacked) and args.stop_on_hacking, distributed)  # (rank 0 reads
+        # the first evaluation's metrics back on a resume: it alone may see the watch fire)
         # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
             save(done)
             saved = done
         if stop:
             bar.close()
-            why = " (the reward-hacking watch fired, --stop-on-hacking)" if hacked and args.stop_on_hacking else ""
-            run.stopped(done, f"stopped after iteration {done}{why}; continue with the same command plus --resume")
+            if not run.should_stop():  # the watch stopped it
+                run.stopped(done, f"stopped after iteration {done}: the reward-hacking watch fired (--stop-on-hacking);"
+                                  f" look at samples/, then continue with --resume and --no-stop-on-hacking or wider "
+                                  f"--watch-* limits")
+                return
+            run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
             return
     bar.close()
     if run.optimizer_steps == 0 and run.skipped_steps:  # (MixGRPO's empty window trains nothing, and is no fault)
@@ -503,7 +516,8 @@ def load_reward_models(args, device, dtype, weights) -> RewardModels:
     except rewards.RewardError as err:
         fail(str(err))
     try:
-        return RewardModels(fns, weights, {name: load(name) for name in args.eval_rewards})
+        names = rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}  # ("clip=1.0" is "clip")
+        return RewardModels(fns, weights, {name: load(name) for name in names})
     except rewards.RewardError as err:
         fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
 
@@ -619,7 +633,7 @@ def main(args) -> bool:
         if resume_from:
             state = checkpoint.load(resume_from, policy.model, policy.transformer, policy.optimizer, not args.full,
                                     extra={**({"ema": policy.ema.tensors()} if policy.ema is not None else {}),
-                                           **({"curriculum": {"alpha_mean_var": torch.zeros(3, dtype=torch.float64)}}
+                                           **({"curriculum": {"mean_var": torch.zeros(2, dtype=torch.float64)}}
                                               if curriculum is not None else {})} or None)  # (the sharded load's shapes)
             if curriculum is not None and "curriculum" in state["extra"]:
                 curriculum.load_state_dict(state["extra"]["curriculum"])

@@ -39,7 +39,7 @@ def grid_energy(images, period: int):
     if period < 2 or H % period or W % period:
         return torch.zeros(N)
     power = torch.fft.fft2(grey - grey.mean((1, 2), keepdim=True)).abs() ** 2  # (N, H, W)
-    lattice = torch.zeros(H, W, dtype=torch.bool)
+    lattice = torch.zeros(H, W, dtype=torch.bool, device=grey.device)
     lattice[:: H // period, :: W // period] = True  # (0, 0) too, whose power the mean's removal zeroed
     return (power * lattice).sum((1, 2)) / power.sum((1, 2)).clamp_min(1e-12)
 

@@ -9,7 +9,7 @@ the "anchors", of the prompts offered to the run. Each iteration:
       (the first pool sets them), and the candidate whose anchor score is closest to the updated m is trained,
       with the same noise its anchor had: neither solved nor hopeless, at the policy's current level;
   (b) the cross-level advantage. Each member's reward R_i (the weighted sum, at each trained step) is placed on
-      the moving scale, z_i = (R_i - m) / (sqrt(v) + 1e-8); the positive z are divided by their sum and the
+      the moving scale, z_i = (R_i - m) / (sqrt(max(v, 1e-8)) + 1e-8); the positive z are divided by their sum and the
       negative ones by the sum of their magnitudes (so each side sums to +-1), or, when one side is empty, z is
       centred instead (z - mean z); the result is clamped to +-adv_clip_max and added to the method's own group
       advantage, itself clamped:  A = clamp(A_group) + clamp(A_global).
@@ -42,13 +42,17 @@ from methods.pavegrpo import series_update
 
 
 class Curriculum:
-    """The moving mean and variance of anchor scores, and the two rules that read them."""
+    """The moving mean and variance of anchor scores, and the two rules that read them. Shapes: B prompts, P
+    candidates each, G group size."""
 
     def __init__(self, alpha: float):
         self.alpha, self.mean, self.var = alpha, None, None  # None until the first pool
 
     def observe(self, scores):
-        """Move the state with a pool's anchor scores (all ranks' pools together): (n,)."""
+        """Move the state with a pool's anchor scores (all ranks' pools together): (n,). A pool with a score that is
+        not finite moves nothing (the iteration's rewards are skipped as a fault; the state must outlive it)."""
+        if not bool(torch.isfinite(scores).all()):
+            return
         pool_mean, pool_var = float(scores.double().mean()), float(scores.double().var(unbiased=False))
         if self.mean is None:
             self.mean, self.var = pool_mean, pool_var
@@ -75,10 +79,10 @@ class Curriculum:
         return torch.where(one_sided, centred, balanced).clamp(-adv_clip_max, adv_clip_max).float()
 
     def state_dict(self):
-        return {"alpha_mean_var": torch.tensor([self.alpha, self.mean, self.var], dtype=torch.float64)}
+        return {"mean_var": torch.tensor([self.mean, self.var], dtype=torch.float64)}
 
     def load_state_dict(self, state):
-        _, self.mean, self.var = state["alpha_mean_var"].tolist()
+        self.mean, self.var = state["mean_var"].tolist()
 
 
 def with_global_advantage(advantages, scores, weights, curriculum, adv_clip_max):

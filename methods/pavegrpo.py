@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from g2rpo import G2RPO, member_log_probs, optimizer_step, ratio_stats, update_stats
+from sampler import sde_step
 
 
 def ratio_on_policy(log_probs, advantages):
@@ -48,20 +49,24 @@ def ratio_on_policy(log_probs, advantages):
     return (-advantages * torch.exp(log_probs - log_probs.detach())).mean()
 
 
-def sub_step_log_probs(velocity_fn, step_fn, x, velocity, targets, sigmas, k, prompt_index, counts):
-    """The log-probability of each stored x_{k+1} (targets (n, G, ...)) at the end of each sub-trajectory of step k:
-    for every count c in `counts`, c - 1 Euler sub-steps from x (n, ...) with the current policy, whose velocity at x
-    is `velocity`, then the SDE step of the last sub-interval. Velocities at the same depth are one call. Returns
-    {c: (n, G)}; `calls` forwards were made (sum of c - 1)."""
+def sub_step_log_probs(velocity_fn, step_fn, x, velocity, targets, sigmas, k, prompt_index, counts, max_batch=None):
+    """The log-probability of each stored x_{k+1} at the end of each sub-trajectory of step k. x: (n, ...) the start
+    latents, `velocity` the current policy's velocity there (n, ...), targets (n, G, ...) the members that left each,
+    prompt_index (n,), counts: the sub-step counts c. For each c: c - 1 Euler sub-steps from x, then the SDE step of
+    the last sub-interval. The velocities at one depth are one call (in rows of at most `max_batch`), with
+    gradients. Returns {c: (n, G)}; sum (c - 1) forwards were made per start latent."""
     n = x.shape[0]
     sub = {c: torch.linspace(float(sigmas[k]), float(sigmas[k + 1]), c + 1) for c in counts}  # s_0 .. s_c
     y, v = {c: x for c in counts}, {c: velocity for c in counts}
     for depth in range(1, max(counts, default=1)):
         walking = [c for c in counts if depth < c]  # the sub-trajectories that take another sub-step
         for c in walking:
-            y[c] = y[c] + (sub[c][depth] - sub[c][depth - 1]) * v[c]  # Euler: y_depth
-        sigma = torch.cat([sub[c][depth].expand(n) for c in walking]).to(x.device)  # (n * len(walking),)
-        velocities = velocity_fn(torch.cat([y[c] for c in walking]), sigma, prompt_index.repeat(len(walking)))
+            y[c] = sde_step(y[c], v[c], sub[c], depth - 1, eta=0.0)[0]  # Euler, in fp32: y_depth
+        latents = torch.cat([y[c] for c in walking])  # (n * len(walking), ...)
+        sigma = torch.cat([sub[c][depth].expand(n) for c in walking]).to(x.device)
+        index = prompt_index.repeat(len(walking))
+        rows = torch.arange(len(latents)).split(max_batch or len(latents))
+        velocities = torch.cat([velocity_fn(latents[r], sigma[r], index[r]) for r in rows])
         v.update(zip(walking, velocities.split(n)))
     return {c: member_log_probs(step_fn, y[c], v[c], targets, sub[c], c - 1) for c in counts}  # (n, G) each
 
@@ -69,8 +74,8 @@ def sub_step_log_probs(velocity_fn, step_fn, x, velocity, targets, sigmas, k, pr
 def series_update(method, velocity_fn, params, optimizer, rollout, advantages, sigmas, counts, base_velocity_fn=None):
     """The update of the GRPO series (Pave-GRPO; AdaGRPO, which has no sub-steps: `counts` empty) on G2RPO's rollout:
     per inner epoch one optimizer step on L = mean_k L_k, the authors' on-policy ratio. advantages: (B, K, G). The
-    start latents are the prompts' anchors (one per prompt), in micro-batches of `method.max_batch`; a sub-step count
-    c multiplies a micro-batch's forwards by 1 + sum (c - 1) / 1 and holds their activations until its backward.
+    start latents are the prompts' anchors (one per prompt), in micro-batches of `method.max_batch`; the sub-steps
+    add sum_c (c - 1) forwards per start latent, whose activations are held until the micro-batch's backward.
     Returns `g2rpo.update_stats`."""
     B, K, G = advantages.shape
     per_step, grad_norms = [], []
@@ -88,7 +93,7 @@ def series_update(method, velocity_fn, params, optimizer, rollout, advantages, s
                 step_loss = ratio_on_policy(log_probs, A)
                 if counts:
                     subs = sub_step_log_probs(velocity_fn, method.step, x, velocity, targets[rows], sigmas, k, index,
-                                              counts)
+                                              counts, method.max_batch)
                     step_loss = step_loss + sum(ratio_on_policy(lp, A) for lp in subs.values()) / len(counts)
                 if method.kl_beta > 0:  # KL to the base model's step at x_k, as G2RPO's
                     with torch.no_grad():

@@ -46,14 +46,17 @@ def measure(phase, extra, out):
 
     flags, expected = PHASES[phase]
     argv = [*COMMON, *flags, *([] if "--eval-every" in flags else ["--eval-every", "1000"]), *extra, "--output-dir", out]
+    log = open(out + ".log", "w+")  # (a file: a pipe nobody reads while this waits would fill and block the job)
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    metrics, seen = os.path.join(out, "metrics.jsonl"), {}
+                            os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    metrics, seen, started = os.path.join(out, "metrics.jsonl"), {}, time.time()
     while 2 not in seen:  # the time each iteration's row appears
-        if job.poll() is not None:
-            raise SystemExit(f"error: the {phase} job ended before its second iteration:\n{job.stdout.read()[-3000:]}")
+        if job.poll() is not None or time.time() - started > 600:
+            job.kill()
+            log.seek(0)
+            raise SystemExit(f"error: the {phase} job ended or stalled before its second iteration:\n"
+                             f"{log.read()[-3000:]}")
         for row in rows(metrics):
             seen.setdefault(row["iteration"], time.time())
         time.sleep(0.01)
@@ -66,7 +69,9 @@ def measure(phase, extra, out):
     time.sleep(max(seen[2] + offset - time.time(), 0.0))
     signalled = time.time()
     job.send_signal(signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
+    job.wait(timeout=300)
+    log.seek(0)
+    output = log.read()
     found = re.search(r"stopped (?:during|after) [^\r\n]*", output)  # (a progress bar may share its line)
     stopped = found.group(0) if found else None
     if stopped is None or not re.match(expected, stopped):
