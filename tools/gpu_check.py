@@ -113,7 +113,7 @@ SCALES = {
                     "--prompts-per-iteration", "2", "--rewards", "shapes=1.0", "--max-sequence-length", "16",
                     "--prompt-file", "prompts/tiny_train.txt", "--eval-prompt-file", "prompts/tiny_eval.txt",
                     "--eval-seeds", "1", "--eval-every", "1", "--lr", "1e-3", "--mixed-precision", "no",
-                    "--no-gradient-checkpointing"],
+                    "--no-gradient-checkpointing", "--eval-rewards"],  # (none: the flux preset's need hub weights)
                    timeouts=dict(tiny=120, gradient=60, iteration=60, lever=60, fp8=60, fp8_iteration=60)),
 }
 
