@@ -508,6 +508,10 @@ def parse_args(argv=None, base=None):
             setattr(args, name, rule(args.num_steps))
     _GIVEN[id(args)] = frozenset(f.name for f in dataclasses.fields(cls) if _given(argv, f.name))  # (recipe_note)
     weakref.finalize(args, _GIVEN.pop, id(args), None)
+    # the preset's held-out rewards leave out those the run trains on (the paper's HPS + CLIP run keeps pickscore)
+    if not _given(argv, "eval_rewards"):
+        trained = {spec.partition("=")[0] for spec in args.rewards}
+        args.eval_rewards = [name for name in args.eval_rewards if name not in trained]
     # a --resolution given is a square: it replaces the preset's own height and width (Wan's 832 x 480) unless they
     # are given too
     if _given(argv, "resolution"):

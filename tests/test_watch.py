@@ -89,6 +89,8 @@ def test_held_out_rewards_are_checked_with_the_flags(capsys):
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1, (argv, err)
     assert flags.preset("flux")["eval_rewards"] == ["clip", "pickscore"]  # the paper's other columns
+    # the paper's HPS + CLIP run: the preset's held-out rewards leave out the trained clip
+    assert flags.parse_args(["--model", "flux", "--rewards", "hps=1.0", "clip=1.0"]).eval_rewards == ["pickscore"]
 
 
 def test_a_run_logs_its_held_out_rewards_and_statistics_and_evaluate_shows_them(tiny_cache, tmp_path):
