@@ -299,11 +299,13 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     # first its own number: a bench of many runs from one base evaluates that base once)
     held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world,
                                                 distributed, seeds, run.check_stop)
+    # AdaGRPO's curriculum state, once its first pool has moved it (None: nothing to save or restore)
+    curriculum_state = lambda: curriculum.state_dict() if curriculum is not None and curriculum.mean is not None \
+        else None
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                                  policy.adapter.pipeline_class, policy.params, policy.ema,
                                  final=done == args.num_iterations,
-                                 states={"curriculum": curriculum.state_dict()} if curriculum is not None
-                                 and curriculum.mean is not None else None)
+                                 states={"curriculum": curriculum_state()} if curriculum_state() else None)
     saved = start  # the iteration of the newest checkpoint (0: none yet)
     shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
     captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
@@ -328,7 +330,7 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
         # the curriculum's state as iteration `it` left it: a stop inside the next iteration saves this one, which
         # the rerun of that iteration moves again
-        held = curriculum.state_dict() if curriculum is not None and curriculum.mean is not None else None
+        held = curriculum_state()
         try:
             metrics = iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, world, distributed,
                                 check, run.check_stop, curriculum)
@@ -383,20 +385,20 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
         run.stop_after_too_many_faults()
         bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
                         s_it=f"{metrics['time/iteration']:.1f}")
-        stop = run.should_stop() or any_rank(bool(hacked) and args.stop_on_hacking, distributed)  # (rank 0 reads
-        # the first evaluation's metrics back on a resume: it alone may see the watch fire)
+        signalled = run.should_stop()
+        # (after a resume rank 0 alone reads the first evaluation's metrics back, so it alone may see the watch fire)
+        hacking = not signalled and any_rank(bool(hacked) and args.stop_on_hacking, distributed)
+        stop = signalled or hacking
         # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
             save(done)
             saved = done
         if stop:
             bar.close()
-            if not run.should_stop():  # the watch stopped it
-                run.stopped(done, f"stopped after iteration {done}: the reward-hacking watch fired (--stop-on-hacking);"
-                                  f" look at samples/, then continue with --resume and --no-stop-on-hacking or wider "
-                                  f"--watch-* limits")
-                return
-            run.stopped(done, f"stopped after iteration {done}; continue with the same command plus --resume")
+            run.stopped(done, f"stopped after iteration {done}" + (
+                ": the reward-hacking watch fired (--stop-on-hacking); look at samples/, then continue with --resume "
+                "and --no-stop-on-hacking or wider --watch-* limits" if hacking else
+                "; continue with the same command plus --resume"))
             return
     bar.close()
     if run.optimizer_steps == 0 and run.skipped_steps:  # (MixGRPO's empty window trains nothing, and is no fault)

@@ -420,8 +420,9 @@ def recipe_note(args, message: str) -> str:
     if not set_for_them:
         return message
     values = ", ".join(f"{flag(name)} {_spelled(getattr(args, name))}" for name in set_for_them)
-    return (f"{message} ({values}: the default of --model {args.model} --method {args.method}, not given; give "
-            f"{'it' if len(set_for_them) == 1 else 'them'} to change {'it' if len(set_for_them) == 1 else 'them'})")
+    it = "it" if len(set_for_them) == 1 else "them"
+    return (f"{message} ({values}: the default of --model {args.model} --method {args.method}, not given; give {it} "
+            f"to change {it})")
 
 
 def _spelled(value) -> str:

@@ -149,6 +149,19 @@ def _blobs(mask):
         labels = grown
 
 
+def _named_colour(images, prompts):
+    """Which pixels show the colour each prompt names, (N, H, W) bool: nearest to it of the palette, and within 0.15
+    (squared RGB distance; the palette colours are at least 0.5 apart, the VAE's colour errors on clean shapes under
+    0.05). A prompt naming no colour counts red's."""
+    N, _, H, W = images.shape
+    palette = torch.tensor(list(COLOURS.values()), device=images.device)  # (4, 3)
+    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
+    named = torch.tensor([list(COLOURS).index(c) if c in COLOURS else 0 for c, _, _ in map(parse, prompts)],
+                         device=images.device)  # (N,)
+    near = distance.gather(1, named[:, None, None, None].expand(N, 1, H, W))[:, 0]  # (N, H, W)
+    return (near < 0.15) & (distance.argmin(1) == named[:, None, None])
+
+
 def shape_success(images, prompts):
     """The strict, GenEval-style pass of each image, 1.0 or 0.0, (N,): the named colour shows exactly one object
     (a connected blob of at least MIN_AREA pixels), its bounding box's height / width is nearest the named shape's
@@ -157,15 +170,9 @@ def shape_success(images, prompts):
     device, images = images.device, images.float().cpu()
     N, _, H, W = images.shape
     foreground = _background_distance(images) > 0.2  # (N, H, W), the hard version of shape_scores' soft mask
-    palette = torch.tensor(list(COLOURS.values()))  # (4, 3)
-    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
     ys, xs = _pixel_centres(H, W, "cpu")
     parsed = [parse(p) for p in prompts]
-    named = torch.tensor([list(COLOURS).index(c) if c in COLOURS else 0 for c, _, _ in parsed])  # (N,)
-    # a pixel of the named colour: nearest to it of the palette, and within 0.15 (squared RGB distance; the palette
-    # colours are at least 0.5 apart, the VAE's colour errors on clean shapes under 0.05)
-    near = distance.gather(1, named[:, None, None, None].expand(N, 1, H, W))[:, 0]  # (N, H, W)
-    labels = _blobs(foreground & (near < 0.15) & (distance.argmin(1) == named[:, None, None]))  # every image at once
+    labels = _blobs(foreground & _named_colour(images, prompts))  # every image at once
     passes = torch.zeros(N)
     for i, (colour, shape, position) in enumerate(parsed):
         if not images[i].isfinite().all():
@@ -188,18 +195,9 @@ def shape_success(images, prompts):
 
 def colour_area(images, prompts):
     """A reward that can be hacked, to show the reward-hacking watch (lab/watch.py) at work: the share of the
-    image's pixels in the named colour (nearest to it of the palette and within 0.15, as `shape_success` counts
-    them), times 4, at most 1, (N,). It pays for more and bigger blobs of that colour whatever their shape and place,
+    image's pixels in the named colour (`_named_colour`, as `shape_success` counts them), times 4, at most 1, (N,). It pays for more and bigger blobs of that colour whatever their shape and place,
     which the strict pass (exactly one object, of the named shape, in the named half) and `shape_reward` refuse."""
-    images = images.float()
-    N = images.shape[0]
-    palette = torch.tensor(list(COLOURS.values()), device=images.device)  # (4, 3)
-    distance = ((images[:, None] - palette[None, :, :, None, None]) ** 2).sum(2)  # (N, 4, H, W), squared
-    named = torch.tensor([list(COLOURS).index(c) if c in COLOURS else 0 for c, _, _ in map(parse, prompts)],
-                         device=images.device)  # (N,)
-    near = distance.gather(1, named[:, None, None, None].expand(N, 1, *distance.shape[2:]))[:, 0]  # (N, H, W)
-    ours = (near < 0.15) & (distance.argmin(1) == named[:, None, None])  # (N, H, W)
-    return (4 * ours.float().mean((1, 2))).clamp(max=1.0)
+    return (4 * _named_colour(images.float(), prompts).float().mean((1, 2))).clamp(max=1.0)
 
 
 # --- building the tiny pipeline -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from g2rpo import G2RPO
-from methods.pavegrpo import series_update
+from methods.pavegrpo import PaveGRPO, series_update
 
 
 class Curriculum:
@@ -127,8 +127,7 @@ class AdaGRPO:
         G2RPO.advantages
     notes, problem = G2RPO.notes, G2RPO.problem
 
-    def optimizer_steps(self, num_trained_steps):
-        return self.inner_epochs
+    optimizer_steps = PaveGRPO.optimizer_steps  # one an inner epoch, as Pave-GRPO's
 
     def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
                base_velocity_fn=None, ranks=None):
