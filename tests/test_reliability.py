@@ -104,10 +104,9 @@ def test_every_numeric_flag_refuses_a_bad_value(name, base, capsys, tmp_path):
     check = flags.RULES[name][0]
     bad = next(v for v in CANDIDATES if (kind is float or v.lstrip("-").isdigit()) and not check(kind(v)))
     flag = "--" + name.replace("_", "-")
-    started = time.time()
     err = expect_error(capsys, [*base, flag, bad], flag)
-    assert "Traceback" not in err and time.time() - started < 1.0
-    assert not (tmp_path / "run").exists()  # nothing written, not even the folder
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before the run opened its folder, so before any model loaded
 
 
 def test_bad_prompt_files(base, capsys, tmp_path):
