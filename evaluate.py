@@ -3,8 +3,8 @@
 Every model (the base, and each `--checkpoint` as train.py saves it) generates one image per prompt and noise seed
 with the deterministic sampler (Euler ODE, eta = 0) from the same initial noise, at the checkpoint run's settings
 (steps, shift, guidance, resolution from its config.json unless a flag overrides them). Every metric of
-`--metrics` (a reward of rewards.py) scores every image; a reward with a strict pass (the tiny world's `shapes`)
-adds a second column, `shapes_success`, of 1 or 0 per image: its mean is the success rate. The table gives, per
+`--metrics` (a reward of rewards.py) scores every image; a strict pass (the tiny world's `shapes-strict`) scores 1
+or 0 an image, so its mean is the success rate. The table gives, per
 model and metric, the mean over all (prompt, seed) images and its standard error std / sqrt(n), in the paper's
 units (PickScore / 100).
 
@@ -66,7 +66,7 @@ EVAL_DEFAULTS = {
     "qwenimage": dict(seeds=1, batch_size=4, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "wan": dict(seeds=1, batch_size=2, metrics=["hps", "clip", "pickscore", "imagereward"]),
     "wan22": dict(seeds=1, batch_size=1, metrics=["hps", "clip", "pickscore", "imagereward"]),
-    "tiny": dict(batch_size=64, metrics=["shapes"]),
+    "tiny": dict(batch_size=64, metrics=["shapes", "shapes-strict"]),
 }
 
 
@@ -481,12 +481,6 @@ def compare(args):
                                              frames_every=rows[0].settings["reward_frames"]) for m in metrics}
     except rewards.RewardError as err:
         fail(str(err))
-    strict, columns = rewards.success_fns(metric_fns), {}
-    for name, fn in metric_fns.items():  # a reward with a strict pass (the tiny world's) adds a success-rate column
-        columns[name] = fn
-        if name in strict:
-            columns[f"{name}_success"] = strict[name]
-    metric_fns, metrics = columns, list(columns)
     adapter = load_base(rows[0].settings, args, device, dtype, next((r.config for r in rows if r.config), {}))
     lock = None
     if rank == 0:  # a second evaluation into this folder is refused instead of mixing its files with this one's

@@ -98,15 +98,7 @@ def over_frames(fn, every: int = 1, strict: bool = False):
         scores = fn(flat, [p for p in prompts for _ in range(F)]).view(N, F)
         return scores.amin(1) if strict else scores.mean(1)
 
-    if hasattr(fn, "success"):  # a strict pass rides along (the tiny world's success rate)
-        reward.success = over_frames(fn.success, every, strict=True)
     return reward
-
-
-def success_fns(reward_fns: dict) -> dict:
-    """The strict passes of the rewards that have one (the tiny world's `shapes`), by reward name: fn(images,
-    prompts) -> (N,) of 1.0 or 0.0. Evaluations average them into success rates."""
-    return {name: fn.success for name, fn in reward_fns.items() if hasattr(fn, "success")}
 
 
 def _batched(fn, batch_size):
@@ -329,18 +321,26 @@ def hpsv3(device, dtype, batch_size, paths):
 
 
 def shapes(device, dtype, batch_size, paths):
-    """The tiny world's rule: does the image show the colour, shape and position its prompt names (lab/tiny.py). It
-    carries a strict pass (`success`, 1 or 0 per image) that evaluations report as a success rate."""
-    from lab.tiny import shape_reward, shape_success
+    """The tiny world's rule: does the image show the colour, shape and position its prompt names (lab/tiny.py), a
+    smooth score in [0, 1] that training climbs."""
+    from lab.tiny import shape_reward
 
-    reward = _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
-    reward.success = _batched(lambda images, prompts: shape_success(images.to(device), prompts), batch_size)
-    return reward
+    return _batched(lambda images, prompts: shape_reward(images.to(device), prompts), batch_size)
+
+
+def shapes_strict(device, dtype, batch_size, paths):
+    """The tiny world's strict pass, GenEval-style: 1 when the image shows exactly what its prompt names, else 0
+    (lab/tiny.py), so its mean is a success rate. The tiny preset holds it out (--eval-rewards): no run trains on it,
+    and the reward-hacking watch reads it as it reads FLUX's held-out CLIP and PickScore."""
+    from lab.tiny import shape_success
+
+    return _batched(lambda images, prompts: shape_success(images.to(device), prompts), batch_size)
 
 
 def colour_area(device, dtype, batch_size, paths):
     """The tiny world's hackable reward: the named colour's share of the picture (lab/tiny.py), for showing the
-    reward-hacking watch; train on it with --eval-rewards shapes to see the watch fire."""
+    reward-hacking watch: train on it (--rewards colour-area=1.0) and the tiny preset holds out shapes and
+    shapes-strict, which it fails."""
     from lab.tiny import colour_area as area
 
     return _batched(lambda images, prompts: area(images.to(device), prompts), batch_size)
@@ -374,6 +374,7 @@ class Reward:
 
     factory: Callable
     paths: dict[str, tuple[str, str]] = field(default_factory=dict)
+    strict: bool = False  # a pass of 1 or 0 an image: a video passes only when every scored frame does
 
 
 # Adding a reward: write its factory above, then add its entry here.
@@ -414,6 +415,7 @@ REWARDS: dict[str, Reward] = {
                                                     "HPSv3 was trained on."),
     }),
     "shapes": Reward(shapes),
+    "shapes-strict": Reward(shapes_strict, strict=True),
     "colour-area": Reward(colour_area),
 }
 
@@ -469,7 +471,7 @@ def parse_rewards(specs) -> dict[str, float]:
 
 def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=None, frames_every=1):
     """Build the reward `name`: fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) float32; videos (N, 3, F, H, W)
-    score the mean over every `frames_every`-th frame (`over_frames`).
+    score the mean over every `frames_every`-th frame (`over_frames`), a strict pass the least.
 
     `paths` maps path fields to values; a field it lacks takes the registry's default. Extra fields are ignored,
     so a CLI may pass every path field it has."""
@@ -477,4 +479,4 @@ def load_reward(name, device="cpu", dtype=torch.float32, batch_size=32, paths=No
         raise _unknown(name)
     entry = REWARDS[name]
     resolved = {key: default for key, (default, _) in entry.paths.items()} | (paths or {})
-    return over_frames(entry.factory(torch.device(device), dtype, batch_size, resolved), frames_every)
+    return over_frames(entry.factory(torch.device(device), dtype, batch_size, resolved), frames_every, entry.strict)

@@ -226,13 +226,11 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
-    # every reward's score, the held-out rewards' (--eval-rewards), the strict pass of those that have one (the tiny
-    # world's success rate), and the per-image statistics of the reward-hacking watch
+    # every reward's score, the held-out rewards' (--eval-rewards), and the per-image statistics of the
+    # reward-hacking watch
     period = getattr(policy.adapter.pipe, "vae_scale_factor", 8) * 2  # pixels of one latent patch
     fns = {**{f"reward/{name}": fn for name, fn in reward_models.fns.items()},
            **{f"heldout/{name}": fn for name, fn in reward_models.held_out.items()},
-           **{f"success/{name}": fn for name, fn in
-              rewards.success_fns({**reward_models.fns, **reward_models.held_out}).items()},
            "stats/saturation": lambda images, prompts: watch.saturation(first_frame(images)),
            "stats/grid": lambda images, prompts: watch.grid_energy(first_frame(images), period)}
     per_seed = torch.zeros(len(fns), seeds, 3, dtype=torch.float64)  # (R, seeds, (sum, count, sum of squares))
@@ -407,11 +405,11 @@ def train(args, config, policy, reward_models, run, prompts, eval_prompts, start
     if distributed:
         run.check_ranks_agree(policy.params)
     if run.master and before and metrics:
-        run.summary(before, metrics, reward_models.fns)
-        if args.model == "tiny" and "eval/success/shapes" in metrics:  # where the quick start stands
+        run.summary(before, metrics, reward_models.fns, reward_models.held_out)
+        if args.model == "tiny" and "eval/heldout/shapes-strict" in metrics:  # where the quick start stands
             from lab import tiny
 
-            run.log(tiny.quick_start_standing(metrics["eval/success/shapes"], changed_from_preset(args)))
+            run.log(tiny.quick_start_standing(metrics["eval/heldout/shapes-strict"], changed_from_preset(args)))
 
 
 RATIO_ROUNDING = 1e-6  # a first-step ratio within this of 1 is the same forward up to rounding

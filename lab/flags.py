@@ -380,7 +380,8 @@ PRESETS = {
                  eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
                  gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
-                 window_size=2, window_every=4),  # a window for its 8 steps (flow-grpo-fast, mixgrpo)
+                 window_size=2, window_every=4,  # a window for its 8 steps (flow-grpo-fast, mixgrpo)
+                 eval_rewards=["shapes", "shapes-strict"]),  # held out: the strict pass's success rate
 }
 
 

@@ -457,8 +457,9 @@ class Run:
         if self.tracker is not None:
             self.tracker.images(shown, captions[:n], iteration, nrow)
 
-    def summary(self, before: dict, after: dict, reward_names):
-        """The closing lines: the held-out rewards and success rates before and after, and the before/after grid."""
+    def summary(self, before: dict, after: dict, reward_names, held_out_names=()):
+        """The closing lines: the trained rewards on the held-out prompts, and the held-out rewards, before and after;
+        and the before/after grid."""
         first = self.args.first_eval_seeds or self.args.final_eval_seeds or self.args.eval_seeds
         last = self.args.final_eval_seeds or self.args.eval_seeds
         if first != last:
@@ -473,12 +474,12 @@ class Run:
             parts.append(f"{name} {b:.4f} (seed std {sb:.4f}) -> {a:.4f} (seed std {sa:.4f})")
         if parts:
             self.log("held-out eval reward: " + "; ".join(parts))
-        for name in reward_names:
-            b, a = before.get(f"eval/success/{name}"), after.get(f"eval/success/{name}")
+        for name in held_out_names:
+            b, a = before.get(f"eval/heldout/{name}"), after.get(f"eval/heldout/{name}")
             if b is not None and a is not None:
-                se = [m.get(f"eval/success_se/{name}") for m in (before, after)]
+                se = [m.get(f"eval/heldout_se/{name}") for m in (before, after)]
                 spread = f" (standard errors {se[0]:.3f}, {se[1]:.3f})" if None not in se else ""
-                self.log(f"held-out success rate ({name}, strict pass): {b:.3f} -> {a:.3f}{spread}")
+                self.log(f"held-out reward {name}, never trained on: {b:.3f} -> {a:.3f}{spread}")
         samples = os.path.join(self.out, "samples")
         first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))
         if os.path.exists(first) and os.path.exists(final):

@@ -19,8 +19,9 @@ The reward (`shape_reward`) reads the prompt and scores the pixels, each term in
   shape:    how close the foreground's bounding box's height / width is to the named shape's (on a log scale).
 A flow model cannot saturate it by a global trick: it must get all three attributes of each prompt right at once,
 and blur (which pulls a bar's or pillar's height / width toward 1), stray pixels or two blobs lower the shape and
-colour terms. `shape_success` is the strict pass that evaluations report as a success rate, GenEval-style: exactly
-one object of the named colour, of the named shape, in the named half.
+colour terms. `shape_success` is the strict pass, GenEval-style: exactly one object of the named colour, of the named
+shape, in the named half; the reward `shapes-strict`, which the tiny preset holds out, so its mean is a success rate
+that training never sees.
 """
 import hashlib
 import itertools
@@ -195,8 +196,9 @@ def shape_success(images, prompts):
 
 def colour_area(images, prompts):
     """A reward that can be hacked, to show the reward-hacking watch (lab/watch.py) at work: the share of the
-    image's pixels in the named colour (`_named_colour`, as `shape_success` counts them), times 4, at most 1, (N,). It pays for more and bigger blobs of that colour whatever their shape and place,
-    which the strict pass (exactly one object, of the named shape, in the named half) and `shape_reward` refuse."""
+    image's pixels in the named colour (`_named_colour`, as `shape_success` counts them), times 4, at most 1, (N,).
+    It pays for more and bigger blobs of that colour whatever their shape and place, which the strict pass (exactly
+    one object, of the named shape, in the named half) and `shape_reward` refuse."""
     return (4 * _named_colour(images.float(), prompts).float().mean((1, 2))).clamp(max=1.0)
 
 

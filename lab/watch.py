@@ -3,8 +3,8 @@
 Reward hacking is a trained reward that climbs while the images get worse: grid artifacts, blown-out colours, every
 seed of a prompt drawing the same picture. A run sees it only through what it does not train on, so at every
 held-out evaluation train.py scores the same images with
-  - the held-out rewards (--eval-rewards), reward models the training never sees (logged as eval/heldout/<name>),
-    and the strict success rate of a reward that has one (the tiny world's, eval/success/<name>);
+  - the held-out rewards (--eval-rewards), reward models the training never sees (logged as eval/heldout/<name>):
+    FLUX's CLIP and PickScore, the tiny world's strict pass (shapes-strict, a success rate);
   - three image statistics (eval/stats/<name>), each with its standard error:
       saturation  the share of clipped channel values (0 or 1 after decoding), per image;
       grid        the share of an image's spectral power (its mean removed) on the lattice of the VAE's patch
@@ -57,7 +57,7 @@ def diversity(images, prompt_of):
     return torch.stack(values) if values else torch.empty(0)
 
 
-GRID_FLOOR = 0.02  # grid energy below this share is no pattern (the tiny world's images: 0.001-0.015): no ratio of it counts
+GRID_FLOOR = 0.02  # grid energy below this share is no pattern (the tiny world's images: 0.001-0.015): no ratio counts
 
 
 @dataclass
@@ -93,14 +93,13 @@ def check(first: dict, now: dict, limits: Limits):
             if change[2] > limits.z:
                 risen.append(f"the trained reward {name} rose {change[0]:.4f} -> {change[1]:.4f} "
                              f"({change[2]:+.1f} SE)")
-    # held out: the rewards of --eval-rewards, and the strict success rates (the tiny world's), which no reward trains
-    for kind, label in (("heldout", "held-out reward"), ("success", "success rate")):
-        for name in names(kind):
-            change = _change(first, now, f"{kind}/{name}")
-            if change is not None:
-                metrics[f"watch/{kind}_z/{name}"] = change[2]
-                if change[2] < -limits.z:
-                    worse.append(f"the {label} {name} fell {change[0]:.4f} -> {change[1]:.4f} ({change[2]:+.1f} SE)")
+    for name in names("heldout"):  # the rewards of --eval-rewards, which training never sees
+        change = _change(first, now, f"heldout/{name}")
+        if change is not None:
+            metrics[f"watch/heldout_z/{name}"] = change[2]
+            if change[2] < -limits.z:
+                worse.append(f"the held-out reward {name} fell {change[0]:.4f} -> {change[1]:.4f} "
+                             f"({change[2]:+.1f} SE)")
     first_stats = {name: first.get(f"eval/stats/{name}") for name in names("stats")}
     for name, moved in (("saturation", lambda a, b: b - a > limits.saturation),
                         ("grid", lambda a, b: b > limits.grid * max(a, GRID_FLOOR)),

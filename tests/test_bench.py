@@ -60,7 +60,7 @@ def test_the_base_model_is_measured_once(tiny_cache, tmp_path):
     assert base.keys() == frozen.keys() and all(torch.equal(base[k], frozen[k]) for k in base)
     assert any(not torch.equal(base[k], measured[k]) for k in base)  # lr 1e-4 moved them
     assert all(torch.equal(measured[k], skipped[k]) for k in measured)
-    scores = lambda out: [(r["eval/reward/shapes"], r["eval/success/shapes"]) for r in map(
+    scores = lambda out: [(r["eval/reward/shapes"], r["eval/heldout/shapes-strict"]) for r in map(
         json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval/reward/shapes" in r]  # (first, last)
     assert scores(outs["frozen"])[0] == scores(outs["frozen"])[1] == scores(outs["measured"])[0]  # 24 images each
     assert scores(outs["skipped"])[0][0] != scores(outs["measured"])[0][0]  # 12 of them

@@ -128,14 +128,14 @@ def test_evaluate_restates_no_flag_of_train_py():
 
 def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folders):  # noqa: F811
     out = runs["root"] / "eval_table"
-    argv = common_args(runs, out) + ["--metrics", "shapes", "clip", "unifiedreward", "pickscore",
+    argv = common_args(runs, out) + ["--metrics", "shapes", "shapes-strict", "clip", "unifiedreward", "pickscore",
                                      "--clip-model", open_clip_folder, "--unifiedreward-url", judge.url,
                                      "--unifiedreward-model", "judge", "--pickscore-model", hf_clip_folders[0],
                                      "--pickscore-processor", hf_clip_folders[1], "--seeds", "2", "--save-images"]
     code, stdout, stderr = run_main(argv)
     assert code in (0, None), stderr
     table = table_of(stdout)
-    assert table[0] == "| model | shapes | shapes_success | clip | unifiedreward | pickscore (/100) |"
+    assert table[0] == "| model | shapes | shapes-strict | clip | unifiedreward | pickscore (/100) |"
     assert [line.split(" | ")[0] for line in table[2:]] == ["| base", "| lora_run/iter_000002",
                                                            "| full_run/iter_000005"]
     assert (out / "table.md").read_text().strip().splitlines() == table
@@ -144,7 +144,7 @@ def test_table_base_vs_checkpoints(runs, judge, open_clip_folder, hf_clip_folder
     assert lora["checkpoint"].endswith(os.path.join("lora_run", "checkpoints", "iter_000002"))  # newest complete
     assert base["settings"] == lora["settings"] and lora["settings"]["num_steps"] == 3  # from config.json
     assert results["num_images"] == 10 and len(base["scores"]["shapes"]) == 10
-    assert set(base["scores"]["shapes_success"]) <= {0.0, 1.0}  # the strict pass, GenEval-style
+    assert set(base["scores"]["shapes-strict"]) <= {0.0, 1.0}  # the strict pass, GenEval-style
     assert base["scores"] == full["scores"]  # the full checkpoint holds the base weights
     assert base["scores"]["clip"] != lora["scores"]["clip"]  # the LoRA changes the images
     for row in results["rows"]:

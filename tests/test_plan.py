@@ -5,7 +5,7 @@ would take; `plan.plan(args, fake=False)` runs the same phases on real tensors o
 Each phase's peak must agree within 2 % (measured: equal to 0.1 %), with the fused kernels and with the math kernel
 (which materialises the attention scores: the fake run must count them too).
 
-Run: python -m pytest -q tests/test_plan.py     (about 30 s on 2 cores)
+Run: python -m pytest -q tests/test_plan.py     (about 2 minutes on 2 cores)
 """
 import os
 import re
@@ -18,9 +18,9 @@ from tools import plan
 TOLERANCE = 0.02
 
 
-def small_args(*extra):
+def small_args(*extra, sde_steps=("0", "1")):
     """The tiny preset, shortened: a small configuration whose every phase runs for real in seconds."""
-    return flags.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", "0", "1", "--group-size", "4",
+    return flags.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", *sde_steps, "--group-size", "4",
                              "--prompts-per-iteration", "2", *extra], plan.PlanArgs)
 
 
@@ -242,3 +242,94 @@ def test_inner_epochs_count_in_the_update_and_its_preemption(fused):
     preemption = next(n for n in notes8 if n.startswith("preemption"))
     seconds = float(re.search(r"after the update \(([\d.]+) s\)", preemption).group(1))
     assert seconds == pytest.approx(one.cost.flops * 8 * one.calls / 1e6, rel=0.01) and "beyond a grace" in preemption
+
+
+# --- the series' updates and AdaGRPO's curriculum pool (methods/pavegrpo.py, methods/adagrpo.py) -----------------
+SERIES = ("--eval-prompts", "2", "--eval-seeds", "1", "--peak-tflops", "1e-6")  # a small evaluation; s = FLOPs / 1e6
+
+
+def update_row(rows):
+    return next(r for r in rows if r.phase.startswith("update"))
+
+
+@pytest.fixture(scope="module")
+def pave():
+    """Pave-GRPO at its default sub-steps {2, 3}, one trained step: the plan, its notes, and its phases run for real."""
+    args = small_args("--method", "pavegrpo", *SERIES, sde_steps=("0",))
+    simulated, notes, _ = plan.plan(args, log=lambda m: None)
+    return simulated, notes, plan.plan(args, fake=False, log=lambda m: None)[0]
+
+
+def test_pave_grpos_update_holds_its_sub_steps(pave, fused):
+    """The plan runs the method's own update, as train.py calls it: Pave-GRPO's 1 + (2 - 1) + (3 - 1) = 4 forwards
+    with gradients per start latent and trained step, whose activations are held until the backward. The real CPU
+    run agrees, a step costs 4 times G2RPO's at the same flags, its peak is higher, and the preemption line's update
+    (one process: the whole update) is that longer update."""
+    simulated, notes, real = pave
+    assert_agree(simulated, real)
+    update, g2rpo = update_row(simulated), update_row(fused[0])
+    assert "4 forwards each (sub-steps)" in update.phase
+    assert update.cost.flops == pytest.approx(4 * g2rpo.cost.flops, rel=0.01)
+    assert update.cost.peak["activations"] > 2 * g2rpo.cost.peak["activations"]
+    assert update.cost.peak["total"] > g2rpo.cost.peak["total"]
+    preemption = next(n for n in notes if n.startswith("preemption"))
+    seconds = float(re.search(r"after the update \(([\d.]+) s\)", preemption).group(1))
+    assert seconds == pytest.approx(update.cost.flops * update.calls / 1e6, rel=0.01)
+
+
+def test_pave_grpos_update_grows_with_its_sub_steps(pave):
+    """--sub-steps 2 makes 2 forwards a start latent, {2, 3} 4: FLOPs in that ratio, and a lower peak."""
+    fewer = update_row(plan.plan(small_args("--method", "pavegrpo", "--sub-steps", "2", *SERIES, sde_steps=("0",)),
+                                 log=lambda m: None)[0])
+    default = update_row(pave[0])
+    assert "2 forwards each" in fewer.phase
+    assert default.cost.flops == pytest.approx(2 * fewer.cost.flops, rel=0.01)
+    assert fewer.cost.peak["activations"] < default.cost.peak["activations"]
+    assert fewer.cost.peak["total"] < default.cost.peak["total"]
+
+
+def test_pave_grpo_is_cut_at_its_one_optimizer_step_under_torchrun():
+    """Two ranks of FSDP2: Pave-GRPO takes one optimizer step an update (`optimizer_steps`), so a stop waits for the
+    whole update; the sub-steps' several top-level forwards before one backward are tracked too."""
+    rows, notes, _ = plan.plan(small_args("--method", "pavegrpo", "--sub-steps", "2", "--gpus", "2", *SERIES,
+                                          sde_steps=("0",)), log=lambda m: None)
+    update = update_row(rows)
+    assert "2 forwards each (sub-steps)" in update.phase
+    preemption = next(n for n in notes if n.startswith("preemption"))
+    match = re.search(r"at the next optimizer step of the update \(([\d.]+) s, one of (\d+)\)", preemption)
+    assert match and match.group(2) == "1", preemption
+    assert float(match.group(1)) == pytest.approx(update.cost.flops * update.calls / 1e6, rel=0.01)
+
+
+def test_the_curriculum_pool_is_a_phase_of_its_own(fused):
+    """--curriculum-pool P, a flag of every method (train.curriculum_prompts): P candidates per prompt encoded at once,
+    their ODE anchors (B P N forwards, no gradients) and their scoring are rows of their own, which the real CPU run
+    agrees with; they count in the iteration's time, the preemption line and the rollouts' forwards, and leave the
+    iteration's own phases as they were."""
+    args = small_args("--curriculum-pool", "3", *SERIES)
+    simulated, notes, _ = plan.plan(args, log=lambda m: None)
+    assert_agree(simulated, plan.plan(args, fake=False, log=lambda m: None)[0])
+    pool = [r for r in simulated if r.phase.startswith("curriculum pool")]
+    assert [r.phase.split(",")[0] for r in pool] == ["curriculum pool: encode 6 candidates (3 a prompt)",
+                                                     "curriculum pool: ODE anchors", "curriculum pool: decode + reward"]
+    assert "4 calls, 24 NFE (largest call 6)" in pool[1].phase and pool[1].calls == 4  # B P N = 2 x 3 x 4
+    rollout = next(r for r in fused[0] if r.phase.startswith("rollout"))
+    per_forward = rollout.cost.flops * rollout.calls / 48  # the rollout's 48 NFE
+    assert pool[1].cost.flops * pool[1].calls == pytest.approx(24 * per_forward, rel=0.01)
+    assert pool[2].calls == 1 and "batch 6" in pool[2].phase
+    assert [r.phase for r in simulated if r not in pool][:5] == [r.phase for r in fused[0]][:5]
+    assert any(n.endswith("(the curriculum pools' included)") for n in notes)
+    assert "next rollout or curriculum pool call" in next(n for n in notes if n.startswith("preemption"))
+
+
+def test_adagrpo_plans_its_pool_and_holds_gradients_over_its_steps(fused):
+    """--method adagrpo: its recipe's pool of 10 (B P N = 2 x 10 x 4 = 80 forwards), and the series' update without
+    sub-steps: one forward a start latent, as G2RPO's, but one optimizer step over the trained steps, so the second
+    step runs with the first's gradients held."""
+    rows = plan.plan(small_args("--method", "adagrpo", *SERIES), log=lambda m: None)[0]
+    assert any(r.phase.startswith("curriculum pool: ODE anchors, 4 calls, 80 NFE") for r in rows)
+    update, g2rpo = update_row(rows), update_row(fused[0])
+    assert "gradients accumulate across steps" in update.phase
+    assert update.cost.flops == pytest.approx(g2rpo.cost.flops, rel=0.01)
+    assert update.cost.peak["grads"] > g2rpo.cost.peak["grads"]
+    assert update.cost.peak["total"] > g2rpo.cost.peak["total"]

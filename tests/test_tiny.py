@@ -85,7 +85,7 @@ def test_a_short_run_improves_held_out_reward_and_success(method, tiny_cache, tm
     run_train(["--model", "tiny", "--tiny-cache", tiny_cache, "--method", method, "--seed", "0", "--output-dir",
                out, "--num-iterations", iterations, "--eval-every", iterations, *SHORT])
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    evals = [(r["eval/reward/shapes"], r["eval/success/shapes"]) for r in rows if "eval/reward/shapes" in r]
+    evals = [(r["eval/reward/shapes"], r["eval/heldout/shapes-strict"]) for r in rows if "eval/reward/shapes" in r]
     assert len(evals) == 2, evals
     (reward_before, success_before), (reward_after, success_after) = evals
     assert 0 <= success_before <= 1 and 0 <= success_after <= 1

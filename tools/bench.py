@@ -462,9 +462,9 @@ def _read_curve(out):
             r = json.loads(line)
             nfe += r.get("perf/nfe", 0)
             wall += r.get("time/iteration", 0.0)
-            if "eval/success/shapes" in r:
-                points.append((nfe, wall, r["eval/success/shapes"], r["eval/reward/shapes"],
-                               r.get("eval/success_se/shapes", float("nan"))))
+            if "eval/heldout/shapes-strict" in r:
+                points.append((nfe, wall, r["eval/heldout/shapes-strict"], r["eval/reward/shapes"],
+                               r.get("eval/heldout_se/shapes-strict", float("nan"))))
     return points
 
 

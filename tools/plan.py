@@ -4,14 +4,22 @@ train.py, per GPU, from the project's own code run on fake tensors.
 Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no data, so a 12 B-parameter FLUX.1-dev
 runs on a laptop: every model is built from its published configuration (tools/configs/, no weights) and driven through
 the same functions train.py calls, phase by phase, for one rank:
+  0. pool         with --curriculum-pool P (AdaGRPO's curriculum, train.curriculum_prompts): the B P candidates
+                  encoded at once, one transformer call of their ODE anchors (sampler.ode_sample, B P N forwards
+                  in calls of <= --max-batch, no gradients) with the pool's storage, and a reward batch of anchors;
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
                   rollout's own storage (the method's rollout on fake tensors at the real latent shape with a
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
-  4. update       g2rpo.step_loss_backward of one trained step (forward, and backward through the checkpoints as
-                  configured; the KL's base model where --kl-beta) and g2rpo.optimizer_step (AdamW multi-tensor, as on
-                  CUDA, with its state; the EMA where --ema-decay), with the rollout kept for it;
+  4. update       the method's own update, as train.py calls it (`method.update`: G2RPO's step_loss_backward and
+                  optimizer_step, Pave-GRPO's and AdaGRPO's series_update, the peers' accumulated_update), on the
+                  rollout cut to its first trained step (forward, and backward through the checkpoints as
+                  configured; Pave-GRPO's sub-steps, whose activations are held until the backward; the KL's base
+                  model where --kl-beta), with its optimizer steps (AdamW multi-tensor, as on CUDA, with its state; the
+                  EMA where --ema-decay) and the rollout kept for it. Where one optimizer step takes several trained
+                  steps (Pave-GRPO, AdaGRPO, the whole-trajectory peers) the first two run, so that the second holds
+                  the first's gradients; the row's FLOPs are one step's, times the trained steps and --inner-epochs;
   5. evaluation   train.held_out_eval's micro-batch: encode, sample (its transformer call) and decode + score;
 and what stays resident throughout: the weights, the trained weights' optimizer state, the EMA, the conditioning.
 
@@ -47,8 +55,11 @@ Run:
     python -m tools.plan --model flux2                                           # FLUX.2 [klein] 4B, LoRA
     python -m tools.plan --model qwenimage                                       # Qwen-Image, LoRA, 1328^2
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
+    python -m tools.plan --model flux --method pavegrpo                          # the sub-steps in the update (4 min)
+    python -m tools.plan --model flux --method adagrpo                           # the curriculum pool's phases
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -67,12 +78,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from lab import flags
 import rewards
 import train
-from g2rpo import optimizer_step, step_loss_backward
 from lab.kernels import fp8_sharding_problem, sdpa_backends
 from lab.models import ADAPTERS
 from lab.checkpoint import EXPORT_SHARD_BYTES
 from lab.flags import fail
-from sampler import sigma_schedule
+from sampler import ode_sample, sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
@@ -227,6 +237,19 @@ class Tracker(_FrozenModules, MemTracker):
 class FSDPTracker(_FrozenModules, FSDPMemTracker):
     """The FSDP2 variant: it tells one rank's shards from the blocks all-gathered for a forward or backward. It
     tracks the FSDP2 module alone; the other modules and tensors are tracked as MemTracker does."""
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        """An FSDP2 module called again at the top level before or after a backward (Pave-GRPO's sub-steps, a second
+        trained step that accumulates gradients) starts afresh, as `_FrozenModules._pre_fw_hook` does for the
+        others: torch's tracker would take it for a second training iteration, and refuse it."""
+        pre_forward = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def again(*args, **kwargs):
+            if fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw:
+                if self._mod_tracker.parents - {self._mod_tracker.get_known_fqn(fsdp_mod)} == {"Global"}:
+                    del self.memory_tracking[fsdp_mod]
+            return pre_forward(*args, **kwargs)
+        return again
 
     def track_external(self, *external):
         from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
@@ -603,6 +626,11 @@ def _plan(args, fake, log, mesh=None):
     with kernels, values:
         rows.append(Row("resident between phases (weights, optimizer state, EMA)", measure(lambda: None, resident,
                                                                                             fsdp), 0))
+        # 0. AdaGRPO's curriculum pool (--curriculum-pool P, train.curriculum_prompts): before the iteration's own
+        # prompts, P candidates per prompt are encoded at once, their anchors sampled (ODE, no gradients) and scored
+        if args.curriculum_pool:
+            rows += pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp)
+            log(f"curriculum pool simulated ({time.time() - started:.0f} s)")
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
         cond = {}
         encode = measure(lambda: cond.update(adapter.encode(prompts)), resident + encoders, fsdp)
@@ -638,28 +666,41 @@ def _plan(args, fake, log, mesh=None):
         rows.append(Row(f"decode + reward, batch {n}", reward, math.ceil(scored / n)))
         log(f"decode and rewards simulated ({time.time() - started:.0f} s)")
 
-        # 4. the update of one trained step (the others are alike), and the optimizer step
-        fake_rollout = type(rollout)(*rollout_tensors, None, rollout.sde_steps, rollout.granularities, rollout.nfe,
-                                     rollout.calls)
-        advantages = torch.zeros(B, args.group_size)  # (B, G): values do not change the cost
+        # 4. the update as train.py calls it, method.update, over the first trained step (the others are alike), or
+        # the first two where one optimizer step takes several (their gradients accumulate): the second step then
+        # runs with the first's gradients held, as every later step of the run does. One inner epoch (each is alike).
+        K = len(steps)
+        accumulates = method.optimizer_steps(K) < K * method.inner_epochs
+        span = min(K, 2 if accumulates else 1)
+        cut = dataclasses.replace(rollout, start_latents=rollout.start_latents[:, :span],
+                                  next_latents=rollout.next_latents[:, :span],
+                                  old_log_probs=rollout.old_log_probs[:, :span], anchor_final=None,
+                                  sde_steps=rollout.sde_steps[:span])
+        # DanceGRPO's random share of (member, step) pairs is counted whole, as train.py's perf/update_nfe counts it
+        whole = {"timestep_fraction": 1.0} if hasattr(method, "timestep_fraction") else {}
+        one_epoch = dataclasses.replace(method, inner_epochs=1, **whole)
+        advantages = torch.zeros(B, span, args.group_size)  # (B, K', G): values do not change the cost
         update_velocity = train.make_velocity_fn(args, policy, policy.model, cond)
         base = train.base_velocity_fn(args, policy, cond)
 
         def update():
-            step_loss_backward(update_velocity, fake_rollout, advantages, sigmas, 0, step_fn=method.step,
-                               clip_range=args.clip_range, max_batch=args.max_batch, kl_beta=args.kl_beta,
-                               base_velocity_fn=base, kl_fn=method.kl)
-            optimizer_step(policy.params, policy.optimizer, args.max_grad_norm)
+            one_epoch.update(update_velocity, policy.params, policy.optimizer, cut, advantages, sigmas, generators,
+                             base, None)
             if policy.ema is not None:
                 policy.ema.update(0)
 
-        update_cost = measure(update, resident_cond + rollout_tensors, fsdp)
+        measured = measure(update, resident_cond + rollout_tensors, fsdp)
+        update_cost = Cost(measured.peak, measured.flops / max(span, 1))  # one trained step's
         starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
+        forwards = update_forwards(method)
         epochs = f" x {args.inner_epochs} inner epochs" if args.inner_epochs > 1 else ""
-        rows.append(Row(f"update: {len(steps)} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of "
-                        f"{min(starts, args.max_batch)}, fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
-                        update_cost, len(steps) * args.inner_epochs))
+        rows.append(Row(f"update: {K} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of "
+                        f"{min(starts, args.max_batch)}"
+                        + (f", {forwards} forwards each (sub-steps)" if forwards > 1 else "")
+                        + (", gradients accumulate across steps" if accumulates else "")
+                        + f", fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
+                        update_cost, K * args.inner_epochs))
         log(f"update simulated ({time.time() - started:.0f} s)")
 
         # 5. evaluation, one micro-batch of train.held_out_eval: encode, sample, decode + score
@@ -673,7 +714,7 @@ def _plan(args, fake, log, mesh=None):
             eval_call = call
         else:
             eval_velocity = train.make_velocity_fn(args, policy, policy.transformer, eval_cond)
-            eval_latents = torch.zeros(eval_batch, *noise.shape[1:])
+            eval_latents = torch.zeros(eval_batch, *latents.shape[1:])  # (n, ...) one image each
             with torch.no_grad():
                 eval_call = measure(lambda: eval_velocity(_fake_copy(eval_latents, fake_mode),
                                                           sigmas[0].expand(eval_batch), torch.arange(eval_batch)),
@@ -693,10 +734,11 @@ def _plan(args, fake, log, mesh=None):
     notes.append(checkpoint_cost(args, policy, world))
     notes.append(preemption_cost(args, rows, policy, method.optimizer_steps(len(steps))))
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
-    rollout_nfe = args.num_iterations * nfe * world
+    pool_nfe = B * args.curriculum_pool * (len(sigmas) - 1) * adapter.forwards_per_velocity  # train.py's perf/nfe
+    rollout_nfe = args.num_iterations * (nfe + pool_nfe) * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
                  f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
-                 f"{rollout_nfe:,}")
+                 f"{rollout_nfe:,}" + (" (the curriculum pools' included)" if pool_nfe else ""))
     notes.append("not simulated, add them: the CUDA context, allocator fragmentation and NCCL / cuBLAS workspaces "
                  "(a few GiB), torch.compile, the kernels' distance from the FLOP floor"
                  + (f"; DDP's bucket copy of the LoRA gradients ({lora_grads / GiB:.2f} GiB)" if lora_grads else ""))
@@ -746,14 +788,17 @@ def checkpoint_cost(args, policy, world) -> str:
 
 
 def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
-    """How long a SIGTERM's stop takes (run.Run.check_stop): the rollout's transformer call or the reward batch in
-    flight; in the update, under torchrun (--gpus > 1) the optimizer step in flight (Run.stop_between_steps), in one
-    process the whole update, which runs to its end (its --inner-epochs counted); then one checkpoint's write.
-    Nothing is staged in host memory for it, and no disk is used for it between preemptions."""
+    """How long a SIGTERM's stop takes (run.Run.check_stop): the transformer call (the rollout's, or the curriculum
+    pool's) or the reward batch in flight; in the update, under torchrun (--gpus > 1) the optimizer step in flight
+    (Run.stop_between_steps: `optimizer_steps`, the method's count, divide the update), in one process the whole
+    update, which runs to its end (its --inner-epochs counted); then one checkpoint's write. Nothing is staged in host
+    memory for it, and no disk is used for it between preemptions."""
     floor = lambda row, calls: row.cost.flops * calls / (args.peak_tflops * 1e12)
-    rollout, reward, update = (next(r for r in rows if r.phase.startswith(name))
-                               for name in ("rollout", "decode", "update"))
-    call, batch, whole_update = floor(rollout, 1), floor(reward, 1), floor(update, update.calls)
+    longest = lambda *names: max(floor(r, 1) for r in rows if r.phase.startswith(names))
+    update = next(r for r in rows if r.phase.startswith("update"))
+    call = longest("rollout", "curriculum pool: ODE anchors")
+    batch = longest("decode", "curriculum pool: decode")
+    whole_update = floor(update, update.calls)
     cut = args.gpus > 1
     in_update = whole_update / max(optimizer_steps, 1) if cut else whole_update
     worst = max(call, batch, in_update)
@@ -761,7 +806,9 @@ def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
     verdict = "within" if worst + write <= args.grace_s else "beyond"
     where = (f"at the next optimizer step of the update ({in_update:.1f} s, one of {optimizer_steps})" if cut else
              f"at worst after the update ({whole_update:.1f} s)")
-    return (f"preemption: a SIGTERM stops at the next rollout call ({call:.1f} s at the time floor) or reward batch "
+    pool = any(r.phase.startswith("curriculum pool") for r in rows)
+    return (f"preemption: a SIGTERM stops at the next rollout{' or curriculum pool' * pool} call ({call:.1f} s at "
+            f"the time floor) or reward batch "
             f"({batch:.1f} s), or {where}, then writes one checkpoint ({write:.0f} s): {worst + write:.0f} s at "
             f"worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real kernels run slower than the floor); no "
             f"host memory or disk is used for it until then")
@@ -775,13 +822,21 @@ def args_eval_prompt_count(args):
     return 400
 
 
-@torch.no_grad()
 def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None):
     """Run the method's rollout with a velocity of zeros from `noise` made fake under `fake_mode` (else for real on
     the CPU): the rollout keeps what it keeps in a real run (anchor, branches, completions), at the real latent
     shape, and every tensor that follows from the noise is fake too, so its storage costs no host memory (the sigma
     schedule stays real: the sampler reads its values). Returns {"rollout": the Rollout} and, per transformer call,
     (batch, bytes the rollout holds at that call)."""
+    rollout, calls = sampled_storage(lambda velocity_fn, x: method.rollout(velocity_fn, x, sigmas, generators, steps),
+                                     noise, fake_mode)
+    return {"rollout": rollout}, calls
+
+
+@torch.no_grad()
+def sampled_storage(sample, noise, fake_mode=None):
+    """`sample(velocity_fn, noise)` (a rollout, the curriculum pool's ODE anchors) with a velocity of zeros, from
+    `noise` made fake under `fake_mode`. Returns what it returns and, per transformer call, (batch, bytes held)."""
     tracker, calls = Tracker(), []
 
     def zero_velocity(x, sigma, prompt_index):
@@ -792,8 +847,46 @@ def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None):
     noise = _fake_copy(noise, fake_mode)
     tracker.track_external(noise)
     with tracker:
-        rollout = method.rollout(zero_velocity, noise, sigmas, generators, steps)
-    return {"rollout": rollout}, calls
+        result = sample(zero_velocity, noise)
+    return result, calls
+
+
+def pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp):
+    """The rows of AdaGRPO's curriculum pool as train.curriculum_prompts runs it: the B P candidates encoded in one
+    call, their anchors sampled by `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and
+    scored in reward batches; the pool's conditioning, noise and anchors are held throughout. The iteration's own
+    tensors do not exist yet (the pool chooses its prompts)."""
+    P = args.curriculum_pool
+    candidates = ["a photograph of an astronaut riding a horse on the moon"] * (B * P)
+    pool_cond = {}
+    encode = measure(lambda: pool_cond.update(adapter.encode(candidates)), resident + encoders, fsdp)
+    noise = adapter.noise(train.generators(args.seed, 0, range(B * P)), args.size)  # (B * P, ...)
+    anchors, calls = sampled_storage(lambda velocity_fn, x: ode_sample(velocity_fn, x, sigmas,
+                                                                      max_batch=args.max_batch), noise, fake_mode)
+    largest = max(b for b, _ in calls)
+    velocity = train.make_velocity_fn(args, policy, policy.transformer, pool_cond)
+    latents = torch.zeros(largest, *noise.shape[1:])  # (n, ...) a call's input
+    held = resident + list(pool_cond.values())
+    with torch.no_grad():
+        call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest),
+                                        torch.arange(largest)), held, fsdp)
+    samples = sum(b for b, _ in calls)
+    nfe = samples * adapter.forwards_per_velocity  # train.curriculum_prompts' "nfe": B P N
+    n = min(args.reward_batch_size, anchors.shape[0])
+    batch = anchors[:n]
+    reward = measure(lambda: [fn(adapter.decode(batch, args.size), candidates[:n]) for fn in reward_fns.values()],
+                     held + [noise, anchors], fsdp)
+    return [Row(f"curriculum pool: encode {B * P} candidates ({P} a prompt)", encode, 1),
+            Row(f"curriculum pool: ODE anchors, {len(calls)} calls, {nfe} NFE (largest call {largest})",
+                Cost(added(call, max(s for _, s in calls)).peak, call.flops / largest * samples / len(calls)),
+                len(calls)),
+            Row(f"curriculum pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))]
+
+
+def update_forwards(method) -> int:
+    """Forwards with gradients per start latent and trained step (Pave-GRPO's sub-steps add theirs), as train.py's
+    perf/update_nfe counts them."""
+    return getattr(method, "update_forwards", lambda: 1)()
 
 
 # ---------------------------------------------------------------------------------------------------------------
