@@ -128,7 +128,7 @@ def iteration(args, it, method, policy, reward_models, prompts, sigmas, rank, wo
                     * world,
                     # forwards with gradients (Pave-GRPO's sub-steps add theirs): start latents x trained steps x ...
                     "perf/update_nfe": rollout.start_latents.shape[0] * rollout.start_latents.shape[2] * len(steps)
-                    * method.inner_epochs * getattr(method, "update_forwards", lambda: 1)()
+                    * method.inner_epochs * update_forwards(method)
                     * policy.adapter.forwards_per_velocity * world,
                     "perf/image_only_nfe": rollout.image_only_nfe * policy.adapter.forwards_per_velocity * world,
                     "perf/calls": rollout.calls, "time/rollout": t1 - t0, "time/decode_and_reward": t2 - t1,
@@ -570,6 +570,12 @@ def _shard(module, dtype, device, mesh=None):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     module.to(device)
+
+
+def update_forwards(method) -> int:
+    """Forwards with gradients per start latent and trained step: 1, or more where a method's update adds its own
+    (Pave-GRPO's sub-steps)."""
+    return method.update_forwards() if hasattr(method, "update_forwards") else 1
 
 
 def make_velocity_fn(args, policy, module, cond):

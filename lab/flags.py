@@ -225,7 +225,9 @@ class TrainArgs:
     eval_rewards: list[str] = field(default_factory=list)
     """Held-out reward models (names as in --rewards, no weights) that score every held-out evaluation's images and
     that training never sees, logged as eval/heldout/<name>; the reward-hacking watch compares them with the trained
-    rewards (lab/watch.py). --model flux: clip and pickscore, the paper's other columns with public weights."""
+    rewards (lab/watch.py). The presets' less the rewards a run trains on: --model flux clip and pickscore (the paper's
+    other columns with public weights), --model tiny shapes and its strict pass shapes-strict (a success rate); a list
+    given replaces the preset's."""
     stop_on_hacking: bool = False
     """When the reward-hacking watch fires after an evaluation, save a checkpoint and stop (else it warns)."""
     watch_z: float = 2.0

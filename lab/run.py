@@ -190,6 +190,11 @@ WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so t
 RUN_FILES = ("metrics.jsonl", "samples", "tensorboard", "wandb", WANDB_ID)
 
 
+# metrics that an earlier version logged under another name (the tiny world's strict pass, once a part of `shapes`):
+# read under today's, so a run or a bench resumed across the change keeps its first evaluation
+RENAMED = {"eval/success/shapes": "eval/heldout/shapes-strict",
+           "eval/success_se/shapes": "eval/heldout_se/shapes-strict"}
+
 class Run:
     """The output folder and the bookkeeping of one training run, on every rank (rank 0 alone writes files)."""
 
@@ -368,7 +373,7 @@ class Run:
         """Drop rows from after the checkpoint (a crash's partial work); returns the first evaluation's metrics."""
         rows = checkpoint.truncate_metrics(self.metrics_path, iteration, log=self.log) if self.master else []
         first = next((r for r in rows if r.get("iteration") == 0), {})
-        return {k: v for k, v in first.items() if k.startswith("eval/")}
+        return {RENAMED.get(k, k): v for k, v in first.items() if k.startswith("eval/")}
 
     def write_metrics(self, iteration: int, metrics: dict):
         if not self.master:
@@ -473,7 +478,7 @@ class Run:
             sb, sa = before.get(f"eval/reward_seed_std/{name}") or 0, after.get(f"eval/reward_seed_std/{name}") or 0
             parts.append(f"{name} {b:.4f} (seed std {sb:.4f}) -> {a:.4f} (seed std {sa:.4f})")
         if parts:
-            self.log("held-out eval reward: " + "; ".join(parts))
+            self.log("trained reward on the held-out prompts: " + "; ".join(parts))
         for name in held_out_names:
             b, a = before.get(f"eval/heldout/{name}"), after.get(f"eval/heldout/{name}")
             if b is not None and a is not None:

@@ -4,7 +4,8 @@ Reward hacking is a trained reward that climbs while the images get worse: grid 
 seed of a prompt drawing the same picture. A run sees it only through what it does not train on, so at every
 held-out evaluation train.py scores the same images with
   - the held-out rewards (--eval-rewards), reward models the training never sees (logged as eval/heldout/<name>):
-    FLUX's CLIP and PickScore, the tiny world's strict pass (shapes-strict, a success rate);
+    FLUX's CLIP and PickScore; the tiny world's strict pass (shapes-strict, a success rate), and `shapes` when a
+    run trains on another reward;
   - three image statistics (eval/stats/<name>), each with its standard error:
       saturation  the share of clipped channel values (0 or 1 after decoding), per image;
       grid        the share of an image's spectral power (its mean removed) on the lattice of the VAE's patch

@@ -252,7 +252,7 @@ def test_wan_trains_on_video_and_its_weights_load_in_the_stock_pipeline(family, 
 
     assert Image.open(os.path.join(samples, "eval_iter_000002.gif")).n_frames == 5
     assert Image.open(os.path.join(samples, "eval_iter_000002.png")).width > 4 * width  # a strip of frames a sample
-    assert "held-out eval reward" in proc.stdout
+    assert "trained reward on the held-out prompts" in proc.stdout
     pipe = WanPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     sample = lambda: pipe(prompt=PROMPTS[:1], height=32, width=width, num_frames=5, num_inference_steps=2,

@@ -277,17 +277,6 @@ def test_pave_grpos_update_holds_its_sub_steps(pave, fused):
     assert seconds == pytest.approx(update.cost.flops * update.calls / 1e6, rel=0.01)
 
 
-def test_pave_grpos_update_grows_with_its_sub_steps(pave):
-    """--sub-steps 2 makes 2 forwards a start latent, {2, 3} 4: FLOPs in that ratio, and a lower peak."""
-    fewer = update_row(plan.plan(small_args("--method", "pavegrpo", "--sub-steps", "2", *SERIES, sde_steps=("0",)),
-                                 log=lambda m: None)[0])
-    default = update_row(pave[0])
-    assert "2 forwards each" in fewer.phase
-    assert default.cost.flops == pytest.approx(2 * fewer.cost.flops, rel=0.01)
-    assert fewer.cost.peak["activations"] < default.cost.peak["activations"]
-    assert fewer.cost.peak["total"] < default.cost.peak["total"]
-
-
 def test_pave_grpo_is_cut_at_its_one_optimizer_step_under_torchrun():
     """Two ranks of FSDP2: Pave-GRPO takes one optimizer step an update (`optimizer_steps`), so a stop waits for the
     whole update; the sub-steps' several top-level forwards before one backward are tracked too."""

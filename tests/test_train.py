@@ -40,7 +40,7 @@ def test_two_iterations(model, lora, flux_path, sd3_path, tmp_path):
     assert "eval/reward/shapes" in rows[0] and "losses/loss" in rows[1] and "train/reward/shapes/g2" in rows[2]
     assert rows[1]["perf/nfe"] > 0 and rows[1]["faults/skipped_steps"] == 0
     assert os.path.exists(os.path.join(out, "samples", "before_after.png"))
-    assert "held-out eval reward" in proc.stdout
+    assert "trained reward on the held-out prompts" in proc.stdout
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["model"] == model and config["code_version"]
     sub = "lora" if lora else "transformer"

@@ -87,6 +87,10 @@ def test_held_out_rewards_are_checked_with_the_flags(capsys):
     assert flags.preset("flux")["eval_rewards"] == ["clip", "pickscore"]  # the paper's other columns
     # the paper's HPS + CLIP run: the preset's held-out rewards leave out the trained clip
     assert flags.parse_args(["--model", "flux", "--rewards", "hps=1.0", "clip=1.0"]).eval_rewards == ["pickscore"]
+    # the tiny world's strict pass is held out; so is its smooth reward when a run trains on another
+    assert flags.parse_args(["--model", "tiny"]).eval_rewards == ["shapes-strict"]
+    assert flags.parse_args(["--model", "tiny", "--rewards", "colour-area=1.0"]).eval_rewards == ["shapes",
+                                                                                                   "shapes-strict"]
 
 
 def test_a_run_logs_its_held_out_rewards_and_statistics_and_evaluate_shows_them(tiny_cache, tmp_path):
@@ -114,7 +118,7 @@ def test_a_run_logs_its_held_out_rewards_and_statistics_and_evaluate_shows_them(
                                      "--output-dir", str(tmp_path / "eval")])
     assert code in (0, None), stderr
     header = next(line for line in stdout.splitlines() if line.startswith("|"))
-    assert header.split(" | ")[1:4] == ["shapes", "shapes-strict", "colour-area"], header
+    assert header == "| model | shapes | shapes-strict | colour-area |", header
 
 
 def test_a_held_out_reward_without_its_weights_is_one_line(tiny_cache, tmp_path):

@@ -32,6 +32,7 @@ import tyro
 
 from g2rpo import G2RPO
 from lab import flags
+from lab.run import RENAMED
 from methods import METHODS as METHOD_CLASSES
 from sampler import rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
@@ -459,7 +460,7 @@ def _read_curve(out):
     nfe, wall, points = 0, 0.0, []
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for line in f:
-            r = json.loads(line)
+            r = {RENAMED.get(k, k): v for k, v in json.loads(line).items()}  # (a run of an earlier version)
             nfe += r.get("perf/nfe", 0)
             wall += r.get("time/iteration", 0.0)
             if "eval/heldout/shapes-strict" in r:

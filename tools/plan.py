@@ -12,14 +12,13 @@ the same functions train.py calls, phase by phase, for one rank:
                   rollout's own storage (the method's rollout on fake tensors at the real latent shape with a
                   velocity of zeros: the tree of latents it keeps, at the transformer call where it is largest);
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
-  4. update       the method's own update, as train.py calls it (`method.update`: G2RPO's step_loss_backward and
-                  optimizer_step, Pave-GRPO's and AdaGRPO's series_update, the peers' accumulated_update), on the
-                  rollout cut to its first trained step (forward, and backward through the checkpoints as
-                  configured; Pave-GRPO's sub-steps, whose activations are held until the backward; the KL's base
-                  model where --kl-beta), with its optimizer steps (AdamW multi-tensor, as on CUDA, with its state; the
-                  EMA where --ema-decay) and the rollout kept for it. Where one optimizer step takes several trained
-                  steps (Pave-GRPO, AdaGRPO, the whole-trajectory peers) the first two run, so that the second holds
-                  the first's gradients; the row's FLOPs are one step's, times the trained steps and --inner-epochs;
+  4. update       the method's own update as train.py calls it (`method.update`), on the rollout cut to its first
+                  trained step, one inner epoch: forward, and backward through the checkpoints as configured, with
+                  Pave-GRPO's sub-steps (their activations held until the backward) and the KL's base model where
+                  --kl-beta; the optimizer step (AdamW multi-tensor, as on CUDA, with its state) and the EMA where
+                  --ema-decay; the rollout kept for it. Where one optimizer step takes several trained steps (every
+                  update but G2RPO's default) the first two steps run, so the second holds the first's gradients.
+                  The row's FLOPs are one step's, its calls the trained steps times --inner-epochs;
   5. evaluation   train.held_out_eval's micro-batch: encode, sample (its transformer call) and decode + score;
 and what stays resident throughout: the weights, the trained weights' optimizer state, the EMA, the conditioning.
 
@@ -82,6 +81,7 @@ from lab.kernels import fp8_sharding_problem, sdpa_backends
 from lab.models import ADAPTERS
 from lab.checkpoint import EXPORT_SHARD_BYTES
 from lab.flags import fail
+from g2rpo import G2RPO
 from sampler import ode_sample, sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -472,8 +472,8 @@ def build_rewards(names, device, dtype, batch_size, fake_mode):
 
     folder, fns, modules, skipped = os.path.join(ROOT, "configs", "rewards"), {}, [], []
     for name in names:
-        if name == "shapes":
-            fns[name] = rewards.load_reward("shapes", device, dtype, batch_size)
+        if name in ("shapes", "shapes-strict", "colour-area"):  # the tiny world's, computed from the pixels
+            fns[name] = rewards.load_reward(name, device, dtype, batch_size)
         elif name in ("hps", "clip"):
             import open_clip
 
@@ -591,7 +591,8 @@ def _plan(args, fake, log, mesh=None):
     reward_fns, reward_modules, skipped = build_rewards(list(rewards.parse_rewards(args.rewards)), device,
                                                         dtype, args.reward_batch_size, fake_mode)
     if args.num_frames > 1:  # a video scores the mean over its frames, as rewards.load_reward wraps them for train.py
-        reward_fns = {name: rewards.over_frames(fn, args.reward_frames) for name, fn in reward_fns.items()}
+        reward_fns = {name: rewards.over_frames(fn, args.reward_frames, rewards.REWARDS[name].strict)
+                      for name, fn in reward_fns.items()}
     log(f"built the models from {os.path.relpath(folder, ROOT) if args.model != 'tiny' else 'tiny.py'} "
         f"({time.time() - started:.0f} s)")
     # AdamW's state exists from the first step on: create it (zero gradients, one step) so every phase counts it
@@ -670,13 +671,15 @@ def _plan(args, fake, log, mesh=None):
         # the first two where one optimizer step takes several (their gradients accumulate): the second step then
         # runs with the first's gradients held, as every later step of the run does. One inner epoch (each is alike).
         K = len(steps)
-        accumulates = method.optimizer_steps(K) < K * method.inner_epochs
+        # G2RPO steps the optimizer after each trained step; every other update (G2RPO's --no-step-per-sde-step, the
+        # series', the peers' over a chunk of members) accumulates gradients over the steps
+        accumulates = type(method).update is not G2RPO.update or not method.step_per_sde_step
         span = min(K, 2 if accumulates else 1)
-        cut = dataclasses.replace(rollout, start_latents=rollout.start_latents[:, :span],
+        first_steps = dataclasses.replace(rollout, start_latents=rollout.start_latents[:, :span],
                                   next_latents=rollout.next_latents[:, :span],
                                   old_log_probs=rollout.old_log_probs[:, :span], anchor_final=None,
                                   sde_steps=rollout.sde_steps[:span])
-        # DanceGRPO's random share of (member, step) pairs is counted whole, as train.py's perf/update_nfe counts it
+        # DanceGRPO's random share of (member, step) pairs is counted whole (an upper bound), as perf/update_nfe is
         whole = {"timestep_fraction": 1.0} if hasattr(method, "timestep_fraction") else {}
         one_epoch = dataclasses.replace(method, inner_epochs=1, **whole)
         advantages = torch.zeros(B, span, args.group_size)  # (B, K', G): values do not change the cost
@@ -684,8 +687,9 @@ def _plan(args, fake, log, mesh=None):
         base = train.base_velocity_fn(args, policy, cond)
 
         def update():
-            one_epoch.update(update_velocity, policy.params, policy.optimizer, cut, advantages, sigmas, generators,
-                             base, None)
+            # (ranks: None, where train.py passes torchrun's; it changes no cost)
+            one_epoch.update(update_velocity, policy.params, policy.optimizer, first_steps, advantages, sigmas,
+                             generators, base, None)
             if policy.ema is not None:
                 policy.ema.update(0)
 
@@ -693,14 +697,15 @@ def _plan(args, fake, log, mesh=None):
         update_cost = Cost(measured.peak, measured.flops / max(span, 1))  # one trained step's
         starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
-        forwards = update_forwards(method)
+        forwards = train.update_forwards(method)
         epochs = f" x {args.inner_epochs} inner epochs" if args.inner_epochs > 1 else ""
-        rows.append(Row(f"update: {K} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of "
-                        f"{min(starts, args.max_batch)}"
-                        + (f", {forwards} forwards each (sub-steps)" if forwards > 1 else "")
-                        + (", gradients accumulate across steps" if accumulates else "")
-                        + f", fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}",
-                        update_cost, K * args.inner_epochs))
+        label = [f"update: {K} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of {min(starts, args.max_batch)}"]
+        if forwards > 1:
+            label.append(f"{forwards} forwards each (sub-steps)")
+        if accumulates:
+            label.append("gradients accumulate across steps")
+        label.append(f"fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}")
+        rows.append(Row(", ".join(label), update_cost, K * args.inner_epochs))
         log(f"update simulated ({time.time() - started:.0f} s)")
 
         # 5. evaluation, one micro-batch of train.held_out_eval: encode, sample, decode + score
@@ -882,11 +887,6 @@ def pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, 
                 len(calls)),
             Row(f"curriculum pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))]
 
-
-def update_forwards(method) -> int:
-    """Forwards with gradients per start latent and trained step (Pave-GRPO's sub-steps add theirs), as train.py's
-    perf/update_nfe counts them."""
-    return getattr(method, "update_forwards", lambda: 1)()
 
 
 # ---------------------------------------------------------------------------------------------------------------
