@@ -4,9 +4,8 @@ Every model (the base, and each `--checkpoint` as train.py saves it) generates o
 with the deterministic sampler (Euler ODE, eta = 0) from the same initial noise, at the checkpoint run's settings
 (steps, shift, guidance, resolution from its config.json unless a flag overrides them). Every metric of
 `--metrics` (a reward of rewards.py) scores every image; a strict pass (the tiny world's `shapes-strict`) scores 1
-or 0 an image, so its mean is the success rate. The table gives, per
-model and metric, the mean over all (prompt, seed) images and its standard error std / sqrt(n), in the paper's
-units (PickScore / 100).
+or 0 an image, so its mean is the success rate. The table gives, per model and metric, the mean over all (prompt,
+seed) images and its standard error std / sqrt(n), in the paper's units (PickScore / 100).
 
 Noise: image (prompt p, seed s) starts from `run.eval_noise_generator(p, s)`, the noise of train.py's held-out
 evaluation. For the tiny model, whose evaluation takes every held-out prompt, `--seeds` equal to the run's last

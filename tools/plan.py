@@ -629,8 +629,11 @@ def _plan(args, fake, log, mesh=None):
                                                                                             fsdp), 0))
         # 0. AdaGRPO's curriculum pool (--curriculum-pool P, train.curriculum_prompts): before the iteration's own
         # prompts, P candidates per prompt are encoded at once, their anchors sampled (ODE, no gradients) and scored
+        pool_nfe = 0
         if args.curriculum_pool:
-            rows += pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp)
+            pool, pool_nfe = pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode,
+                                       fsdp)
+            rows += pool
             log(f"curriculum pool simulated ({time.time() - started:.0f} s)")
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
         cond = {}
@@ -739,7 +742,6 @@ def _plan(args, fake, log, mesh=None):
     notes.append(checkpoint_cost(args, policy, world))
     notes.append(preemption_cost(args, rows, policy, method.optimizer_steps(len(steps))))
     eval_nfe = evaluations * len(items) * args.num_steps * adapter.forwards_per_velocity
-    pool_nfe = B * args.curriculum_pool * (len(sigmas) - 1) * adapter.forwards_per_velocity  # train.py's perf/nfe
     rollout_nfe = args.num_iterations * (nfe + pool_nfe) * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
                  f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
@@ -860,7 +862,8 @@ def pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, 
     """The rows of AdaGRPO's curriculum pool as train.curriculum_prompts runs it: the B P candidates encoded in one
     call, their anchors sampled by `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and
     scored in reward batches; the pool's conditioning, noise and anchors are held throughout. The iteration's own
-    tensors do not exist yet (the pool chooses its prompts)."""
+    tensors do not exist yet (the pool chooses its prompts). Returns the rows and the pool's NFE (train.py counts it
+    in perf/nfe)."""
     P = args.curriculum_pool
     candidates = ["a photograph of an astronaut riding a horse on the moon"] * (B * P)
     pool_cond = {}
@@ -885,7 +888,7 @@ def pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, 
             Row(f"curriculum pool: ODE anchors, {len(calls)} calls, {nfe} NFE (largest call {largest})",
                 Cost(added(call, max(s for _, s in calls)).peak, call.flops / largest * samples / len(calls)),
                 len(calls)),
-            Row(f"curriculum pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))]
+            Row(f"curriculum pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))], nfe
 
 
 
