@@ -40,7 +40,6 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -49,7 +48,8 @@ import tyro
 from lab import flags
 import rewards
 from lab.flags import fail, read_prompts
-from lab.run import backend, eval_noise_generator
+from lab.policy import setup_distributed
+from lab.run import eval_noise_generator
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -389,21 +389,7 @@ def markdown_table(results: list[dict], metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- distributed: one short block keyed on RANK
-
-
-def setup_distributed(args):
-    """(rank, world, device); under torchrun a process group (NCCL and gloo on GPUs, gloo on CPUs: run.backend)."""
-    import torch.distributed as dist
-
-    if int(os.environ.get("RANK", -1)) == -1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dist.init_process_group(backend(), timeout=timedelta(minutes=60))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
+# ---------------------------------------------------------------- distributed: train.py's set-up (lab/policy.py)
 
 
 def gather(obj, world):
@@ -472,7 +458,7 @@ def compare(args):
     prompts = read_prompts(prompt_file, "--prompt-file")[: args.num_prompts or None]
     args.seeds, args.batch_size = args.seeds or preset["seeds"], args.batch_size or preset["batch_size"]
     items = [(p, s) for s in range(args.seeds) for p in range(len(prompts))]  # seed 0 of every prompt first
-    rank, world, device = setup_distributed(args)
+    _, rank, world, device = setup_distributed(timeout_minutes=60)
     dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
     paths = {name: getattr(args, name) for name, _, _ in rewards.path_fields()}
     try:  # the metrics first: a missing reward file must not cost a model load

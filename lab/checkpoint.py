@@ -65,21 +65,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 # config fields that must match for a resume to continue the same run
 # Configurations written before each method had a file of its own held the algorithm as axis flags, which every
-# method now fixes: the values each ran with. A checkpoint whose axes differ from its method's is refused on resume.
+# method now fixes: these are the values every method ran with, and each method's class names the ones it changed
+# (its `legacy`, methods/base.py). A checkpoint whose axes differ from its method's is refused on resume.
 LEGACY_AXES = {"sde_type": "flow", "decode": "sample", "adv_std": "group", "same_noise": True, "kl_form": "exact",
                "reward_fusion": "advantage", "timestep_fraction": 1.0, "member_chunks": 1}
-LEGACY_METHODS = {
-    "g2rpo": dict(sampling="g2rpo"),
-    "full-sde": dict(sampling="full"),
-    "dancegrpo": dict(sampling="full", sde_type="dance", decode="x0", timestep_fraction=None, member_chunks=None,
-                      step_per_sde_step=False),
-    "flow-grpo": dict(sampling="full", adv_std="global", same_noise=False, kl_form="flow-grpo",
-                      reward_fusion="score", member_chunks=None, step_per_sde_step=False),
-    "flow-grpo-fast": dict(sampling="mixed", window_schedule="random", sde_type="cps", adv_std="global",
-                           same_noise=False, kl_form="flow-grpo", reward_fusion="score", member_chunks=None,
-                           step_per_sde_step=False),
-    "mixgrpo": dict(sampling="mixed", window_schedule="mixgrpo", member_chunks=None, step_per_sde_step=False),
-}  # None: a flag of that method now, compared as such
 MANIFEST = "manifest.json"
 # Files up to this size get a sha256 in the manifest, larger ones their size only. Why: sha256 runs at 0.5-2 GB/s
 # on one core, so hashing every LoRA checkpoint (a few GB) costs seconds, but a full FLUX fine-tune (~48 GB of fp32
@@ -369,9 +358,14 @@ def incompatible(saved: dict, current: dict, defaults: dict, keys):
     if saved.get("window_random"):  # the flag --window-schedule random replaced
         saved = {**saved, "window_schedule": "random"}
     if "sampling" in saved:  # written before each method had a file: its axes must be those its method runs
-        method = "full-sde" if saved.get("method", "g2rpo") == "g2rpo" and saved["sampling"] == "full" else \
-            saved.get("method", "g2rpo")
-        axes = {**LEGACY_AXES, "step_per_sde_step": None, **LEGACY_METHODS.get(method, {})}
+        from methods import METHODS
+
+        named = saved.get("method", next(iter(METHODS)))  # (before --method, the first: G2RPO)
+        # the method now of that name, or the one whose legacy says it was that method's --sampling then
+        method = next((name for name, cls in METHODS.items() if cls.legacy.get("method") == named
+                       and cls.legacy.get("sampling") == saved["sampling"]), named)
+        legacy = {k: v for k, v in (METHODS[method].legacy if method in METHODS else {}).items() if k != "method"}
+        axes = {**LEGACY_AXES, "step_per_sde_step": None, **legacy}
         for key, value in axes.items():
             if value is not None and key in saved and json.dumps(saved[key]) != json.dumps(value):
                 return key, saved[key], f"{value} (all that --method {method} runs now)"

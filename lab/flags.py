@@ -154,24 +154,16 @@ class TrainArgs:
     # --- the method (each method's own flags join these under its --method: methods/) ---
     method: Literal[tuple(METHODS)] = "g2rpo"
     """The method: g2rpo; full-sde (G2RPO's rollout replaced by whole SDE trajectories: its ablation); a peer as its
-    authors run it: dancegrpo, flow-grpo, flow-grpo-fast, mixgrpo (methods/). A peer sets its algorithm's values on
-    every --model, and with --model flux also its published sizes (G, N, resolution, lr, clip range, LoRA); any flag
-    given overrides them. --method NAME --help lists that method's own flags."""
+    authors run it: dancegrpo, flow-grpo, flow-grpo-fast, mixgrpo; G2RPO's authors' follow-ups: pavegrpo, adagrpo
+    (methods/, a file each). A method sets its algorithm's values on every --model, and with --model flux also its
+    published sizes (G, N, resolution, lr, clip range, LoRA); any flag given overrides them. --method NAME --help
+    lists that method's own flags."""
     step_credit: Literal[STEP_CREDITS] = "own"
     """The advantage each trained step gets: own (the method: its own branch's); mean (every step of a member the
-    mean of its steps') and rolled (step k gets step k + 1's) destroy the step credit: the bench's controls. For the
-    methods whose steps have their own advantages (g2rpo)."""
+    mean of its steps') and rolled (step k gets step k + 1's) destroy the step credit: the bench's controls. For
+    every method whose steps have their own advantages (g2rpo, pavegrpo, adagrpo)."""
     prompts_per_iteration: int = 0
     """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
-    curriculum_pool: int = 0
-    """AdaGRPO's online curriculum, for every method (methods/adagrpo.py): each trained prompt is the one of this many
-    candidates whose deterministic rollout scores closest to the moving mean of such scores (each candidate costs
-    --num-steps forwards); 0 = off, the prompts in their shuffled order (AdaGRPO's recipe: 10)."""
-    curriculum_ema: float = 0.8
-    """alpha of the curriculum's moving mean and variance: m <- alpha m + (1 - alpha) (the pool's mean)."""
-    global_advantage: bool = False
-    """AdaGRPO's cross-level advantage, added to the method's: each member's reward on the curriculum's moving scale,
-    positives and negatives each normalised to sum +-1 (needs --curriculum-pool)."""
     max_batch: int = 24
     """Largest batch of one transformer call in the rollout and update (bounds memory)."""
     # --- rewards (each reward's model paths follow as their own flags, e.g. --hps-checkpoint) ---
@@ -303,7 +295,7 @@ def reward_path_fields(defaults=None) -> list:
 RESUME_FLAGS = ("method", "model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
                 "max_sequence_length", "eta", "resolution", "height", "width", "group_size", "num_steps", "shift",
                 "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay", "ema_every",
-                "num_frames", "reward_frames", "step_credit", "curriculum_pool", "curriculum_ema", "global_advantage")
+                "num_frames", "reward_frames", "step_credit")
 
 
 def resume_keys(method: str) -> list[str]:
@@ -347,8 +339,8 @@ PRESETS = {
     # FLUX.2 klein 4B (distilled) as its card samples it: 1024², 4 steps, no guidance. The pipeline shifts the
     # schedule by exp(mu), mu = compute_empirical_mu(4096 tokens, 4 steps): 9.89 (recompute for other sizes)
     "flux2": dict(model_path="black-forest-labs/FLUX.2-klein-4B", guidance=0.0, max_sequence_length=512,
-                  resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], granularities=[1, 2], lora_rank=32,
-                  lr=1e-4, output_dir="runs/flux2"),
+                  resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], lora_rank=32, lr=1e-4,
+                  output_dir="runs/flux2"),
     # Qwen-Image as its model card samples it: 1328² (the card's 1:1 size; the pipeline's default is 1024²), 50 steps
     # (card and pipeline), true CFG 4 against the negative prompt " " (card; the pipeline's true_cfg_scale default is
     # 4 too). Its scheduler shifts the schedule by exp(mu), mu = calculate_shift(6889 tokens, 256, 8192, 0.5, 0.9) =
@@ -377,12 +369,11 @@ PRESETS = {
     # take 96 seeds, 1,152 images: at most 0.015 (8.7 s each on 2 cores). 120 iterations: 4 of 5 seeds end 0.2 above the
     # base on one machine of this project's kind, 5 of 5 on another (160: 5 of 5 on both), docs/tiny_world.md
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
-                 sde_steps=[0, 1, 2, 3], granularities=[1, 2, 3], prompts_per_iteration=8, max_batch=512,
+                 sde_steps=[0, 1, 2, 3], prompts_per_iteration=8, max_batch=512,
                  rewards=["shapes=1.0"], num_iterations=120, lr=1e-4, weight_decay=0.0, clip_range=1e-3,
                  eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
                  gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
-                 window_size=2, window_every=4,  # a window for its 8 steps (flow-grpo-fast, mixgrpo)
                  eval_rewards=["shapes", "shapes-strict"]),  # held out: the strict pass's success rate
 }
 
@@ -395,9 +386,9 @@ def method_of(args):
 
 def recipe_values(method: str, model: str, num_steps: int) -> dict:
     """Every value --method sets under --model, for a run of `num_steps` steps: the method's recipe (on every
-    --model), its published sizes (--model flux), and the values that follow N."""
+    --model), its values for this --model (its published sizes on flux), and the values that follow N."""
     cls = METHODS[method]
-    values = {**cls.recipe, **(cls.flux if model == "flux" else {})}
+    values = {**cls.recipe, **cls.presets.get(model, {})}
     values.update({name: rule(num_steps) for name, rule in cls.per_steps.items()})
     return values
 
@@ -526,7 +517,7 @@ def parse_args(argv=None, base=None):
 
 
 def _preset_steps(model: str, method: str) -> int:
-    return {**PRESETS[model], **(METHODS[method].flux if model == "flux" else {})}.get(
+    return {**PRESETS[model], **METHODS[method].presets.get(model, {})}.get(
         "num_steps", TrainArgs.num_steps)
 
 
@@ -567,8 +558,6 @@ RULES = {
     "shift": above(0, " (reference 3)"), "eta": above(0, ": the SDE step needs eta > 0 (typ. 0.7)"),
     "group_size": at_least(2, ": a group needs at least 2 samples to normalise rewards"),
     "prompts_per_iteration": at_least(0, " (0 = one per rank)"), "max_batch": at_least(1),
-    "curriculum_pool": at_least(0, " (0 = no curriculum; AdaGRPO's 10)"),
-    "curriculum_ema": ((lambda v: 0 <= v < 1), "in [0, 1) (AdaGRPO's 0.8)"),
     "reward_batch_size": at_least(1), "num_iterations": at_least(1),
     "lr": at_least(0, " (typ. 2e-6 full, 1e-4 LoRA; 0 learns nothing: the bench's control)"),
     "weight_decay": at_least(0),
@@ -694,24 +683,13 @@ def check_flags(args, world: int, log=print):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
             refuse(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
     method = method_of(args)
-    if "sde_steps" in method.__dataclass_fields__:  # (the windowed methods train their window instead)
-        if not args.sde_steps:
-            refuse("--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3")
-        if len(set(args.sde_steps)) != len(args.sde_steps):
-            refuse(f"--sde-steps {args.sde_steps} repeats a step; list each step once")
-        bad = [k for k in args.sde_steps if not 0 <= k < args.num_steps]
-        if bad:
-            refuse(f"--sde-steps {bad} outside the schedule of --num-steps {args.num_steps}; "
-                 f"use steps in 0..{args.num_steps - 1}")
     problem = method.problem(args.num_steps)
-    if problem:
-        refuse(f"--method {args.method}: {problem}")
-    if args.global_advantage and not args.curriculum_pool:
-        refuse("--global-advantage places rewards on the curriculum's moving scale, which --curriculum-pool 0 does not "
-               "keep; give --curriculum-pool 10 (AdaGRPO's) or drop --global-advantage")
+    if problem:  # (a run's flag the method reads, such as --sde-steps, is named as it is)
+        refuse(problem if problem.startswith("--sde-steps") else f"--method {args.method}: {problem}")
     if args.step_credit != "own" and not method.per_step_advantages:
         refuse(f"--step-credit {args.step_credit} moves advantages between steps, and --method {args.method} gives a "
-             f"whole trajectory one advantage for all of them; it is a control for --method g2rpo")
+             f"whole trajectory one advantage for all of them; it is a control for the methods whose steps have "
+             f"their own advantages")
     problem = frames_problem(args.model, args.num_frames, "--num-frames")
     if problem:
         refuse(problem)
@@ -768,7 +746,7 @@ def check_flags(args, world: int, log=print):
                f"sees: drop it from one of the two")
     if any(held_out[n] != 1.0 for n in held_out):
         refuse(f"--eval-rewards takes names without weights ({args.eval_rewards}); e.g. --eval-rewards clip pickscore")
-    for line in method.notes(sigma_schedule(args.num_steps, args.shift)) if hasattr(method, "notes") else []:
+    for line in method.notes(sigma_schedule(args.num_steps, args.shift)):
         log(line)
     return weights
 

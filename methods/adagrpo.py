@@ -15,10 +15,13 @@ the "anchors", of the prompts offered to the run. Each iteration:
       advantage, itself clamped:  A = clamp(A_group) + clamp(A_global).
 The moving state is saved in every checkpoint (curriculum.safetensors), so a resume continues exactly.
 
-As the paper presents it, both parts plug into other methods: `--curriculum-pool P` and `--global-advantage` are
-flags of every method (train.py runs them around the method's rollout and advantage); `--method adagrpo` is G2RPO's
-rollout at one granularity with both parts on and the authors' loss (methods/pavegrpo.py, `series_update` without
-sub-steps: the ratio against a detached copy of the same forward, never clipped, one optimizer step an iteration).
+`--method adagrpo` is G2RPO's rollout at one granularity with both parts on and the authors' loss
+(methods/pavegrpo.py, `series_update` without sub-steps: the ratio against a detached copy of the same forward,
+never clipped, one optimizer step an iteration). As the paper presents it, both parts plug into other methods:
+`--adagrpo-base NAME` runs them around that method's rollout, advantage and update, with its own flags at their
+defaults (its recipe's values of the run's flags are not applied: give them, e.g. --eta 0.9 for flow-grpo).
+Communication: the pools' anchor scores are gathered over the ranks (one all-gather an iteration) to move the one
+moving state; everything else stays on each rank.
 
 Differences from the authors' code (`Bujiazi/GRPO-Series`, src/method_adagrpo.py, scripts/train_adagrpo.sh):
   1. The moving state is one for the run: the pools of all ranks are gathered for its update, and each rank picks
@@ -30,15 +33,22 @@ Differences from the authors' code (`Bujiazi/GRPO-Series`, src/method_adagrpo.py
 
 Run it:
     python train.py --model tiny --method adagrpo
-    python train.py --model tiny --method flow-grpo --curriculum-pool 10 --global-advantage    # as a plug-in
+    python train.py --model tiny --method adagrpo --adagrpo-base flow-grpo --eta 0.9             # as a plug-in
     torchrun --nproc_per_node 8 train.py --model flux --method adagrpo --rewards hpsv3=1.0
 """
+import copy
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from g2rpo import G2RPO
-from methods.pavegrpo import PaveGRPO, series_update
+from methods import REGISTRY
+from methods.base import Batch, Method
+from methods.pavegrpo import series_update
+
+BASES = ("own", *(name for name in REGISTRY if name != "adagrpo"))
 
 
 class Curriculum:
@@ -96,39 +106,154 @@ def with_global_advantage(advantages, scores, weights, curriculum, adv_clip_max)
 
 
 @dataclass
-class AdaGRPO:
-    """AdaGRPO: the run's flags it reads (lab/flags.py), then its own (train.py's under --method adagrpo). The
-    curriculum's flags (--curriculum-pool, --curriculum-ema, --global-advantage) are the run's: its recipe sets
-    them."""
+class AdaGRPO(Method):
+    """AdaGRPO: the run's flags it reads (methods/base.py's, --sde-steps, and --num-steps and --seed, which a base
+    method may read), then its own (train.py's under --method adagrpo). Its state: the curriculum's moving mean
+    and variance, and the base method's, if any."""
 
     sde_steps: list[int]
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
-    # --- its own flag ---
+    num_steps: int
+    seed: int
+    # --- its own flags ---
     granularities: list[int] = field(default_factory=lambda: [1])
     """ODE strides of the completions, as G2RPO's --granularities (the authors' scripts: {1})."""
+    curriculum_pool: int = 10
+    """P, the candidates each trained prompt is chosen from: the one whose deterministic rollout scores closest to
+    the moving mean of such scores (each candidate costs --num-steps forwards; the authors' 10; >= 2)."""
+    curriculum_ema: float = 0.8
+    """alpha of the curriculum's moving mean and variance: m <- alpha m + (1 - alpha) (the pool's mean); in [0, 1)
+    (the authors' 0.8)."""
+    global_advantage: bool = True
+    """The cross-level advantage, added to the method's: each member's reward on the curriculum's moving scale,
+    positives and negatives each normalised to sum +-1 (the authors' on)."""
+    adagrpo_base: Literal[BASES] = "own"
+    """The method the curriculum and the cross-level advantage plug into: own (G2RPO's rollout with the authors'
+    on-policy loss), or another --method's rollout, advantage and update, its own flags at their defaults."""
 
-    same_noise = True
-    per_step_advantages = True
-    recipe = {"curriculum_pool": 10, "curriculum_ema": 0.8, "global_advantage": True}
     # scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
-    flux = {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "eta": 0.7,
-            "group_size": 12, "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300,
-            "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False,
-            "rewards": ["hpsv3=1.0"]}
-    per_steps = {}
-    step, kl, trained_steps, rollout, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.rollout, \
-        G2RPO.advantages
-    notes, problem = G2RPO.notes, G2RPO.problem
+    presets = {
+        "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "eta": 0.7,
+                 "group_size": 12, "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300,
+                 "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False,
+                 "rewards": ["hpsv3=1.0"]},
+        # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
+        "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
 
-    optimizer_steps = PaveGRPO.optimizer_steps  # one an inner epoch, as Pave-GRPO's
+    def __post_init__(self):
+        self.curriculum = Curriculum(self.curriculum_ema)
+        self.base = None
+        if self.adagrpo_base != "own":  # the base method, from the run's flags it reads and its own defaults
+            from methods import METHODS
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
-        return series_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, [], base_velocity_fn)
+            cls = METHODS[self.adagrpo_base]
+            self.base = cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
+                               if f.name in self.__dataclass_fields__})
+
+    def problem(self, num_steps):
+        if self.curriculum_pool < 2:
+            return f"--curriculum-pool {self.curriculum_pool}: a prompt is chosen from at least 2 candidates (AdaGRPO 10)"
+        if self.curriculum_pool > 1000:
+            return (f"--curriculum-pool {self.curriculum_pool}: at most 1000 candidates a prompt (each costs "
+                    f"--num-steps forwards; AdaGRPO 10)")
+        if not 0 <= self.curriculum_ema < 1:
+            return f"--curriculum-ema {self.curriculum_ema}: must be in [0, 1) (AdaGRPO 0.8)"
+        return G2RPO.problem(self, num_steps) if self.base is None else self.base.problem(num_steps)
+
+    def notes(self, sigmas):
+        return G2RPO.notes(self, sigmas) if self.base is None else self.base.notes(sigmas)
+
+    # ---- (a) the curriculum: which prompts this iteration trains on ----
+    @property
+    def anchor_candidates(self):
+        return self.curriculum_pool
+
+    def prompts(self, it, data):
+        """Each prompt the one of its pool of P candidates whose anchor (an ODE rollout from the noise the prompt
+        would train with) scores closest to the moving mean, which the pools of all ranks move first."""
+        pool = self.curriculum_pool
+        candidates, positions = data.batch(it, pool)  # slot b's candidates: b * pool .. (b + 1) * pool - 1
+        anchors = data.ode_images(it, candidates, positions)  # (B * P, ...)
+        anchor_scores = data.score(anchors, candidates).float().cpu() @ data.weights  # (B * P,)
+        self.curriculum.observe(data.ranks.gather(anchor_scores) if data.ranks is not None else anchor_scores)
+        chosen = [b * pool + int(c) for b, c in enumerate(self.curriculum.choose(anchor_scores.view(-1, pool)))]
+        return Batch([candidates[i] for i in chosen], [positions[i] for i in chosen],
+                     nfe=len(candidates) * (len(data.sigmas) - 1),
+                     metrics={"curriculum/moving_mean": self.curriculum.mean,
+                              "curriculum/moving_std": self.curriculum.std,
+                              "curriculum/pool_score": float(anchor_scores.mean()),
+                              "curriculum/chosen_score": float(anchor_scores[chosen].mean())})
+
+    def state_dict(self):
+        """The moving mean and variance (nan before the first pool), as curriculum.safetensors."""
+        mean_var = [float("nan")] * 2 if self.curriculum.mean is None else [self.curriculum.mean, self.curriculum.var]
+        return {"curriculum": {"mean_var": torch.tensor(mean_var, dtype=torch.float64)},
+                **(self.base.state_dict() if self.base is not None else {})}
+
+    def load_state_dict(self, state):
+        if "curriculum" in state:
+            mean, var = state["curriculum"]["mean_var"].tolist()
+            self.curriculum.mean, self.curriculum.var = (None, None) if mean != mean else (mean, var)
+        if self.base is not None:
+            self.base.load_state_dict(state)
+
+    # ---- (b) the cross-level advantage, added to the method's ----
+    def advantages(self, scores, weights, ranks=None):
+        advantages = G2RPO.advantages(self, scores, weights, ranks) if self.base is None else \
+            self.base.advantages(scores, weights, ranks)
+        if not self.global_advantage:
+            return advantages
+        return with_global_advantage(advantages, scores, weights, self.curriculum, self.adv_clip_max)
+
+    # ---- the rest: G2RPO's rollout and the authors' loss, or the base method's ----
+    @property
+    def per_step_advantages(self):
+        return True if self.base is None else self.base.per_step_advantages
+
+    def start(self, trained):
+        if self.base is not None:
+            self.base.start(trained)
+
+    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
+        return G2RPO.step(self, latents, velocity, sigmas, i, noise, next_latents) if self.base is None else \
+            self.base.step(latents, velocity, sigmas, i, noise, next_latents)
+
+    def kl(self, velocity, base_velocity, sigmas, i):
+        return G2RPO.kl(self, velocity, base_velocity, sigmas, i) if self.base is None else \
+            self.base.kl(velocity, base_velocity, sigmas, i)
+
+    def initial_noise(self, draw, generators):
+        return draw(generators) if self.base is None else self.base.initial_noise(draw, generators)
+
+    def trained_steps(self, iteration):
+        return self.sde_steps if self.base is None else self.base.trained_steps(iteration)
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        return (G2RPO.rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn) if self.base is None
+                else self.base.rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn))
+
+    def optimizer_steps(self, num_trained_steps):
+        """One an inner epoch (the authors' loss), or the base method's."""
+        return self.inner_epochs if self.base is None else self.base.optimizer_steps(num_trained_steps)
+
+    def update_nfe(self, rollout):
+        return Method.update_nfe(self, rollout) if self.base is None else self.base.update_nfe(rollout)
+
+    def cost_iterations(self):
+        return [0] if self.base is None else self.base.cost_iterations()
+
+    def for_planning(self):
+        if self.base is None:
+            return self
+        planned = copy.copy(self)
+        planned.base = self.base.for_planning()
+        return planned
+
+    def check_loss(self, velocity_fn, rollout, sigmas):
+        return Method.check_loss(self, velocity_fn, rollout, sigmas) if self.base is None else \
+            self.base.check_loss(velocity_fn, rollout, sigmas)
+
+    def update(self, rollout, advantages, ctx):
+        if self.base is not None:
+            return self.base.update(rollout, advantages, ctx)
+        return series_update(self, ctx, rollout, advantages, [])
+

@@ -24,11 +24,13 @@ Run it:
     python train.py --model tiny --method dancegrpo
     torchrun --nproc_per_node 8 train.py --model flux --method dancegrpo
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from advantage import granular_advantages
+from methods.base import Method, check_sde_steps
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
 from sampler import gaussian_step, sde_kl, sde_mean_std
 
@@ -45,18 +47,11 @@ def random_step_mask(generators, num_steps, group_size, fraction):
 
 
 @dataclass
-class DanceGRPO:
-    """DanceGRPO: the run's flags it reads (lab/flags.py), then its own (train.py's flags under --method dancegrpo)."""
+class DanceGRPO(Method):
+    """DanceGRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's flags
+    under --method dancegrpo)."""
 
     sde_steps: list[int]
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     # --- its own flags ---
     timestep_fraction: float = 0.6
     """The share of --sde-steps each member trains: every member trains its own random int(fraction * |M|) of
@@ -65,14 +60,19 @@ class DanceGRPO:
     """The members of each group split into this many chunks, one optimizer step each on the gradient accumulated
     over its members and trained steps (DanceGRPO 3: chunks of 4 at G 12; 1 = one step an iteration)."""
 
-    same_noise = True
     per_step_advantages = False  # one reward per trajectory, for all its steps
     recipe = dict(eta=0.3)  # on every --model
-    flux = dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-                lora_rank=0)  # its published FLUX.1 run
+    presets = {"flux": dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
+                            kl_beta=0.0, lora_rank=0)}  # its published FLUX.1 run
     per_steps = dict(sde_steps=all_but_last)  # values that follow the run's N
+    # written before methods had files: the axes it ran with (None: a flag of its own now)
+    legacy = dict(sampling="full", sde_type="dance", decode="x0", timestep_fraction=None, member_chunks=None,
+                  step_per_sde_step=False)
 
     def problem(self, num_steps):
+        problem = check_sde_steps(self.sde_steps, num_steps)
+        if problem:
+            return problem
         if not 0 < self.timestep_fraction <= 1:
             return f"--timestep-fraction {self.timestep_fraction}: must be in (0, 1] (DanceGRPO 0.6; 1 = every step)"
         if int(self.timestep_fraction * len(self.sde_steps)) < 1:
@@ -108,11 +108,13 @@ class DanceGRPO:
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators, base_velocity_fn=None,
-               ranks=None):
+    def for_planning(self):
+        """Every member trains every step: the upper bound of the random share's cost (perf/update_nfe's too)."""
+        return dataclasses.replace(self, timestep_fraction=1.0)
+
+    def update(self, rollout, advantages, ctx):
         """Each member trains its own random share of the steps, drawn now from its prompt's generator."""
         B, K, G = advantages.shape
-        train_mask = random_step_mask(generators, K, G, self.timestep_fraction) if self.timestep_fraction < 1 \
+        train_mask = random_step_mask(ctx.generators, K, G, self.timestep_fraction) if self.timestep_fraction < 1 \
             else None  # (B, K, G)
-        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
-                                  train_mask=train_mask, base_velocity_fn=base_velocity_fn, ranks=ranks)
+        return accumulated_update(self, ctx, rollout, advantages, train_mask)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from advantage import integrate
+from methods.base import Method, check_sde_steps, per_member_noise
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
 from sampler import sde_std_dev, sde_step
 
@@ -88,35 +89,36 @@ def random_window(iteration, *, num_steps, size, end, seed):
 
 
 @dataclass
-class FlowGRPO:
-    """Flow-GRPO: the run's flags it reads (lab/flags.py), then its own (train.py's under --method flow-grpo)."""
+class FlowGRPO(Method):
+    """Flow-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
+    --method flow-grpo)."""
 
     sde_steps: list[int]
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     # --- its own flags ---
     member_chunks: int = 2
     """The members of each group split into this many chunks, one optimizer step each on the gradient accumulated
     over its members and trained steps (Flow-GRPO 2; 1 = one step an iteration)."""
 
-    same_noise = False  # each member its own x_T
     per_step_advantages = False
     recipe = dict(eta=0.9)
-    flux = dict(FLUX, clip_range=1e-4)
+    presets = {"flux": dict(FLUX, clip_range=1e-4)}
     per_steps = dict(sde_steps=all_but_last)
+    legacy = dict(sampling="full", adv_std="global", same_noise=False, kl_form="flow-grpo", reward_fusion="score",
+                  member_chunks=None, step_per_sde_step=False)  # (methods/base.py)
 
     def problem(self, num_steps):
+        problem = check_sde_steps(self.sde_steps, num_steps)
+        if problem:
+            return problem
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
         return None
 
     # ALGO LOGIC
+    def initial_noise(self, draw, generators):
+        """Each member its own x_T (`same_latent=False`): (B, G, ...)."""
+        return per_member_noise(draw, generators, self.group_size)
+
     def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
         return sde_step(latents, velocity, sigmas, i, self.eta, noise, next_latents)
 
@@ -138,25 +140,16 @@ class FlowGRPO:
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
-        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
-                                  base_velocity_fn=base_velocity_fn, ranks=ranks)
+    def update(self, rollout, advantages, ctx):
+        return accumulated_update(self, ctx, rollout, advantages)
 
 
 @dataclass
-class FlowGRPOFast:
-    """Flow-GRPO-Fast: the run's flags it reads, then its own (train.py's under --method flow-grpo-fast)."""
+class FlowGRPOFast(Method):
+    """Flow-GRPO-Fast: the run's flags it reads (methods/base.py's, --num-steps and --seed), then its own
+    (train.py's under --method flow-grpo-fast)."""
 
     num_steps: int
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     seed: int
     # --- its own flags ---
     window_size: int = 3
@@ -166,11 +159,13 @@ class FlowGRPOFast:
     member_chunks: int = 2
     """The members of each group split into this many chunks, one optimizer step each (Flow-GRPO-Fast 2)."""
 
-    same_noise = False
     per_step_advantages = False
     recipe = dict(eta=0.8)
-    flux = dict(FLUX, clip_range=1e-5)
+    # its published FLUX sizes; on the tiny model's 8 steps, a window of 2
+    presets = {"flux": dict(FLUX, clip_range=1e-5), "tiny": dict(window_size=2)}
     per_steps = dict(window_end=lambda num_steps: num_steps // 2)
+    legacy = dict(sampling="mixed", window_schedule="random", sde_type="cps", adv_std="global", same_noise=False,
+                  kl_form="flow-grpo", reward_fusion="score", member_chunks=None, step_per_sde_step=False)
 
     def problem(self, num_steps):
         if self.eta > 1:
@@ -211,11 +206,16 @@ class FlowGRPOFast:
         return random_window(iteration, num_steps=self.num_steps, size=self.window_size, end=self.window_end,
                              seed=self.seed)
 
+    def cost_iterations(self):
+        """64 draws of the random window."""
+        return list(range(64))
+
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """noise: (B, G, ...); SDE inside the window `steps`, ODE elsewhere."""
         return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
                                     ode_elsewhere=True, per_member_noise=True, image_only_fn=image_only_fn)
 
-    # Flow-GRPO's advantage (the batch's std) and accumulated update
-    advantages, optimizer_steps, update = FlowGRPO.advantages, FlowGRPO.optimizer_steps, FlowGRPO.update
+    # Flow-GRPO's noise (one per member), advantage (the batch's std) and accumulated update
+    initial_noise, advantages = FlowGRPO.initial_noise, FlowGRPO.advantages
+    optimizer_steps, update = FlowGRPO.optimizer_steps, FlowGRPO.update

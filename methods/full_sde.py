@@ -11,36 +11,29 @@ Run it:
 from dataclasses import dataclass
 
 from g2rpo import G2RPO
+from methods.base import Method, check_sde_steps
 from methods.trajectories import rollout_trajectories
 
 
 @dataclass
-class FullSDE:
-    """The run's flags it reads (lab/flags.py), then its own (train.py's under --method full-sde)."""
+class FullSDE(Method):
+    """The run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under --method
+    full-sde)."""
 
     sde_steps: list[int]
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     # --- its own flag ---
     step_per_sde_step: bool = True
     """One optimizer step per trained step k (as G2RPO); False: one an iteration, on the objective averaged over k."""
 
-    same_noise = True
     per_step_advantages = False  # one reward per trajectory
-    recipe, flux, per_steps = {}, {}, {}
+    legacy = dict(method="g2rpo", sampling="full")  # written before methods had files: G2RPO's --sampling full
     # G2RPO's SDE step, KL, trained steps, advantage and update, borrowed rather than inherited: a subclass would
     # inherit --granularities and G2RPO's notes, which whole trajectories have no use for
     step, kl, trained_steps, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.advantages
     optimizer_steps, update = G2RPO.optimizer_steps, G2RPO.update
 
     def problem(self, num_steps):
-        return None
+        return check_sde_steps(self.sde_steps, num_steps)
 
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """G full SDE trajectories per prompt from its shared noise (B, ...), every step an SDE step."""

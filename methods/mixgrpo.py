@@ -26,6 +26,7 @@ Run it:
 from dataclasses import dataclass
 
 from advantage import granular_advantages
+from methods.base import Method
 from methods.trajectories import accumulated_update, rollout_trajectories
 from sampler import sde_kl, sde_std_dev, sde_step
 
@@ -42,18 +43,11 @@ def progressive_window(iteration, *, num_steps, size, stride, every):
 
 
 @dataclass
-class MixGRPO:
-    """MixGRPO: the run's flags it reads (lab/flags.py), then its own (train.py's under --method mixgrpo)."""
+class MixGRPO(Method):
+    """MixGRPO: the run's flags it reads (methods/base.py's, and --num-steps), then its own (train.py's under
+    --method mixgrpo)."""
 
     num_steps: int
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     # --- its own flags ---
     window_size: int = 4
     """SDE steps in the window (MixGRPO 4 of 25 steps)."""
@@ -65,12 +59,12 @@ class MixGRPO:
     """The members of each group split into this many chunks, one optimizer step each on the gradient accumulated
     over its members and the window's steps (MixGRPO 4: chunks of 3 at G 12; 1 = one step an iteration)."""
 
-    same_noise = True
     per_step_advantages = False
-    recipe = {}
-    flux = dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4, kl_beta=0.0,
-                lora_rank=0)
-    per_steps = {}
+    # its published FLUX sizes; on the tiny model's 8 steps, a window of 2 that moves every 4 iterations
+    presets = {"flux": dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
+                            kl_beta=0.0, lora_rank=0),
+               "tiny": dict(window_size=2, window_every=4)}
+    legacy = dict(sampling="mixed", window_schedule="mixgrpo", member_chunks=None, step_per_sde_step=False)
 
     def problem(self, num_steps):
         if num_steps < 3:
@@ -97,6 +91,10 @@ class MixGRPO:
         return progressive_window(iteration, num_steps=self.num_steps, size=self.window_size,
                                   stride=self.window_stride, every=self.window_every)
 
+    def cost_iterations(self):
+        """One iteration at each start of the progressive window: 0..N-2 (the last empty)."""
+        return list(range(0, self.window_every * (self.num_steps - 1), self.window_every))
+
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """noise: (B, ...) shared by the members; SDE inside the window `steps`, ODE elsewhere."""
         return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
@@ -109,7 +107,5 @@ class MixGRPO:
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
-        return accumulated_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas,
-                                  base_velocity_fn=base_velocity_fn, ranks=ranks)
+    def update(self, rollout, advantages, ctx):
+        return accumulated_update(self, ctx, rollout, advantages)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from g2rpo import G2RPO, member_log_probs, optimizer_step, ratio_stats, update_stats
+from g2rpo import G2RPO
+from methods.base import Method, member_log_probs, optimizer_step, ratio_stats, update_stats
 from sampler import sde_step
 
 
@@ -71,15 +72,16 @@ def sub_step_log_probs(velocity_fn, step_fn, x, velocity, targets, sigmas, k, pr
     return {c: member_log_probs(step_fn, y[c], v[c], targets, sub[c], c - 1) for c in counts}  # (n, G) each
 
 
-def series_update(method, velocity_fn, params, optimizer, rollout, advantages, sigmas, counts, base_velocity_fn=None):
+def series_update(method, ctx, rollout, advantages, counts):
     """The update of the GRPO series (Pave-GRPO; AdaGRPO, which has no sub-steps: `counts` empty) on G2RPO's rollout:
     per inner epoch one optimizer step on L = mean_k L_k, the authors' on-policy ratio. advantages: (B, K, G). The
     start latents are the prompts' anchors (one per prompt), in micro-batches of `method.max_batch`; the sub-steps
     add sum_c (c - 1) forwards per start latent, whose activations are held until the micro-batch's backward.
-    Returns `g2rpo.update_stats`."""
+    ctx: methods.base.UpdateContext. Returns `methods.base.update_stats`."""
     B, K, G = advantages.shape
     per_step, grad_norms = [], []
-    optimizer.zero_grad(set_to_none=True)
+    velocity_fn, sigmas = ctx.velocity_fn, ctx.sigmas
+    ctx.optimizer.zero_grad(set_to_none=True)
     for _ in range(method.inner_epochs):
         for ki, k in enumerate(rollout.sde_steps):
             start, targets = rollout.start_latents[:, ki, 0], rollout.next_latents[:, ki]  # (B, ...), (B, G, ...)
@@ -97,7 +99,7 @@ def series_update(method, velocity_fn, params, optimizer, rollout, advantages, s
                     step_loss = step_loss + sum(ratio_on_policy(lp, A) for lp in subs.values()) / len(counts)
                 if method.kl_beta > 0:  # KL to the base model's step at x_k, as G2RPO's
                     with torch.no_grad():
-                        base = base_velocity_fn(x, sigma, index)
+                        base = ctx.base_velocity_fn(x, sigma, index)
                     row_kl = method.kl(velocity, base, sigmas, k).mean()
                     step_loss = step_loss + method.kl_beta * row_kl
                     kl += float(row_kl.detach()) * len(rows) / B
@@ -105,23 +107,16 @@ def series_update(method, velocity_fn, params, optimizer, rollout, advantages, s
                 loss += float(step_loss.detach()) * len(rows) / B
                 log_ratios.append((log_probs - rollout.old_log_probs[rows, ki].to(x.device)).detach().flatten())
             per_step.append({"loss": loss, "kl": kl, **ratio_stats(torch.cat(log_ratios), method.clip_range)})
-        grad_norms.append(optimizer_step(params, optimizer, method.max_grad_norm))
+        grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, method.max_grad_norm))
     return update_stats(per_step, grad_norms)
 
 
 @dataclass
-class PaveGRPO:
-    """Pave-GRPO: the run's flags it reads (lab/flags.py), then its own (train.py's under --method pavegrpo)."""
+class PaveGRPO(Method):
+    """Pave-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
+    --method pavegrpo)."""
 
     sde_steps: list[int]
-    group_size: int
-    eta: float
-    clip_range: float
-    adv_clip_max: float
-    max_grad_norm: float
-    max_batch: int
-    inner_epochs: int
-    kl_beta: float
     # --- its own flags ---
     sub_steps: list[int] = field(default_factory=lambda: [2, 3])
     """S, the sub-step counts of the extra trajectories scored at each trained step (the authors' seg_list {2, 3});
@@ -130,14 +125,16 @@ class PaveGRPO:
     granularities: list[int] = field(default_factory=lambda: [1])
     """ODE strides of the completions, as G2RPO's --granularities (the authors' scripts: {1})."""
 
-    same_noise = True
     per_step_advantages = True
     recipe = {"eta": 0.8}
-    # scripts/train_pavegrpo.sh: 8 GPUs x 1 prompt, a full fine-tune (bf16, gradient checkpointing), 300 steps, HPSv3
-    flux = {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "group_size": 12,
-            "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300, "max_grad_norm": 1.0,
-            "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]}
-    per_steps = {}
+    presets = {
+        # scripts/train_pavegrpo.sh: 8 GPUs x 1 prompt, a full fine-tune (bf16, gradient checkpointing), 300 steps,
+        # HPSv3
+        "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "group_size": 12,
+                 "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300, "max_grad_norm": 1.0,
+                 "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]},
+        # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
+        "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
     # G2RPO's SDE step, KL, trained steps, rollout and advantage, borrowed (a subclass would inherit G2RPO's flags)
     step, kl, trained_steps, rollout, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.rollout, \
         G2RPO.advantages
@@ -148,14 +145,12 @@ class PaveGRPO:
             return f"--sub-steps {self.sub_steps}: give distinct counts >= 2, e.g. --sub-steps 2 3"
         return G2RPO.problem(self, num_steps)
 
-    def update_forwards(self):
-        """Forwards with gradients per start latent and trained step, in each inner epoch."""
-        return 1 + sum(n - 1 for n in self.sub_steps)
+    def update_nfe(self, rollout):
+        """Forwards with gradients: 1 + sum_n (n - 1) per start latent, trained step and inner epoch."""
+        return Method.update_nfe(self, rollout) * (1 + sum(n - 1 for n in self.sub_steps))
 
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs
 
-    def update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, generators=None,
-               base_velocity_fn=None, ranks=None):
-        return series_update(self, velocity_fn, params, optimizer, rollout, advantages, sigmas, self.sub_steps,
-                             base_velocity_fn)
+    def update(self, rollout, advantages, ctx):
+        return series_update(self, ctx, rollout, advantages, self.sub_steps)

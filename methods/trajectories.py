@@ -9,13 +9,14 @@ Each member has its own start latent at each trained step, so the update forward
 
 Their update accumulates the gradient over the trained steps and splits the members of each group into chunks,
 one optimizer step each (`accumulated_update`); DanceGRPO further trains each member on its own random share of
-the steps (`train_mask`).
+the steps (`train_mask`), so each member has a weight in each step's loss (`weighted_step_loss_backward`).
 
 Shapes: B prompts, G group size, K trained steps, (...) the latent.
 """
 import torch
 
-from g2rpo import optimizer_step, step_loss_backward, update_stats
+from g2rpo import clipped_loss
+from methods.base import member_log_probs, optimizer_step, ratio_stats, update_stats
 from sampler import CountingVelocity, Rollout, prompt_noise, sde_step
 
 
@@ -75,8 +76,55 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         **CountingVelocity.totals(forward, image_forward))
 
 
-def accumulated_update(method, velocity_fn, params, optimizer, rollout, advantages, sigmas, *, train_mask=None,
-                       base_velocity_fn=None, ranks=None):
+def weighted_step_loss_backward(method, ctx, rollout, advantages, ki, weights):
+    """The clipped loss of trained step `ki` with a weight per member, back-propagated in micro-batches of at most
+    `method.max_batch` start latents (as g2rpo.step_loss_backward, whose mean becomes a weighted sum). advantages
+    and weights: (B, G); a member of weight 0 does not train this step, and a start latent none of whose members
+    trains it is not forwarded, unless other ranks forward more (`forwarded_rows`). Returns this step's statistics,
+    or None when no member of this rank trains it."""
+    k = rollout.sde_steps[ki]
+    B, S, G = rollout.start_latents.shape[0], rollout.start_latents.shape[2], advantages.shape[1]
+    members = G // S  # members scored by one forward
+    start_latents = rollout.start_latents[:, ki].flatten(0, 1)  # (B*S, ...)
+    targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
+    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
+    advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
+    weights = weights.reshape(B * S, members).to(start_latents.device)  # (B*S, G/S)
+    prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
+    rows = forwarded_rows(weights, ctx.ranks)  # the start latents forwarded
+    loss, kl, log_ratios = 0.0, 0.0, []
+    for micro_batch in rows.split(method.max_batch) if len(rows) else []:
+        x, w = start_latents[micro_batch], weights[micro_batch]  # (n, ...), (n, G/S)
+        sigma = ctx.sigmas[k].expand(len(micro_batch)).to(x.device)  # (n,)
+        velocity = ctx.velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
+        log_probs = member_log_probs(method.step, x, velocity, targets[micro_batch], ctx.sigmas, k)  # (n, G/S)
+        batch_loss = clipped_loss(log_probs, old_log_probs[micro_batch], advantages[micro_batch], method.clip_range,
+                                  w)
+        if method.kl_beta > 0:  # the method's KL to the base model's step, weighted as its members
+            with torch.no_grad():
+                base = ctx.base_velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
+            batch_kl = (method.kl(velocity, base, ctx.sigmas, k) * w.sum(1)).sum()
+            batch_loss = batch_loss + method.kl_beta * batch_kl
+            kl += float(batch_kl.detach())
+        # backward even when the loss is not finite: the all-reduced gradient norm then skips the step on every rank
+        batch_loss.backward()
+        loss += float(batch_loss.detach())
+        log_ratios.append((log_probs - old_log_probs[micro_batch]).detach()[w > 0])
+    log_ratio = torch.cat(log_ratios) if log_ratios else torch.empty(0)  # one value per trained member
+    return None if log_ratio.numel() == 0 else {"loss": loss, "kl": kl, **ratio_stats(log_ratio, method.clip_range)}
+
+
+def forwarded_rows(weights, ranks=None):
+    """The start latents a step forwards, of its n: those with a member of weight > 0 (weights (n, M)), topped up
+    with rows of weight 0, which add no gradient, to the largest count of any rank, so that every rank makes the
+    same calls."""
+    rows = torch.arange(weights.shape[0], device=weights.device)  # (n,)
+    active = weights.gt(0).any(1)  # (n,)
+    count = int(active.sum()) if ranks is None else ranks.max(int(active.sum()))
+    return torch.cat([rows[active], rows[~active]])[:count].sort().values  # (count,)
+
+
+def accumulated_update(method, ctx, rollout, advantages, train_mask=None):
     """The update of the whole-trajectory peers: the G members of each group split into `method.member_chunks`
     chunks, one optimizer step each on the gradient accumulated over the chunk's (member, trained step) pairs.
 
@@ -84,17 +132,17 @@ def accumulated_update(method, velocity_fn, params, optimizer, rollout, advantag
     each pair weighted world / n (DDP then divides the summed gradient by world). advantages: (B, K, G);
     train_mask: None (every member trains every step) or (B, K, G) bool, the steps each member trains. `method`
     gives the hyperparameters (clip_range, max_batch, kl_beta, inner_epochs, max_grad_norm, member_chunks) and the
-    step and KL formulas (`step`, `kl`): the one function here that takes a method whole, since every peer shares
-    this loop and brings its own formulas to it. ranks: None (one process), or the run's ranks (.sum, .max, .world), so
-    that every rank makes the same calls. Returns `g2rpo.update_stats`.
+    step and KL formulas (`step`, `kl`): every peer shares this loop and brings its own formulas to it. ctx:
+    methods.base.UpdateContext (its ranks make every rank's calls the same). Returns `methods.base.update_stats`.
     """
     B, K, G = advantages.shape
-    world = ranks.world if ranks is not None else 1
-    all_sum = ranks.sum if ranks is not None else (lambda n: n)
-    sync_rows = ranks.max if ranks is not None else None
+    if K == 0:  # an empty window (MixGRPO's, once a cycle) trains nothing
+        return {"optimizer_steps": 0, "skipped_steps": 0}
+    world = ctx.ranks.world if ctx.ranks is not None else 1
+    all_sum = ctx.ranks.sum if ctx.ranks is not None else (lambda n: n)
     mask = torch.ones(B, K, G, dtype=torch.bool) if train_mask is None else train_mask.cpu()  # (B, K, G)
     per_step, grad_norms = [], []
-    optimizer.zero_grad(set_to_none=True)
+    ctx.optimizer.zero_grad(set_to_none=True)
     for _ in range(method.inner_epochs):
         for members in torch.arange(G).tensor_split(method.member_chunks):  # member indices, (G/C,) each
             in_chunk = torch.zeros(G, dtype=torch.bool)  # (G,)
@@ -105,9 +153,6 @@ def accumulated_update(method, velocity_fn, params, optimizer, rollout, advantag
                 continue
             for ki in range(K):
                 weights = pairs[:, ki].float() * world / total  # (B, G)
-                per_step.append(step_loss_backward(
-                    velocity_fn, rollout, advantages[:, ki], sigmas, ki, step_fn=method.step,
-                    clip_range=method.clip_range, max_batch=method.max_batch, kl_beta=method.kl_beta,
-                    base_velocity_fn=base_velocity_fn, kl_fn=method.kl, weights=weights, sync_rows=sync_rows))
-            grad_norms.append(optimizer_step(params, optimizer, method.max_grad_norm))
+                per_step.append(weighted_step_loss_backward(method, ctx, rollout, advantages[:, ki], ki, weights))
+            grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, method.max_grad_norm))
     return update_stats(per_step, grad_norms, per_optimizer_step=True)

@@ -31,6 +31,7 @@ import torch
 import tyro
 
 from g2rpo import G2RPO
+from methods.base import UpdateContext
 from lab import flags
 from lab.run import RENAMED
 from methods import METHODS as METHOD_CLASSES
@@ -86,9 +87,10 @@ def zero_rollout(a, it):
     as it needs: the forwards it costs (`nfe`, `calls`), for `a.prompts_per_iteration` prompts (at least one)."""
     method = dataclasses.replace(flags.method_of(a), max_batch=10**6)
     prompts = a.prompts_per_iteration or 1
-    noise = torch.zeros(prompts, 1) if method.same_noise else torch.zeros(prompts, a.group_size, 1)  # the shape
+    gens = [torch.Generator() for _ in range(prompts)]
+    noise = method.initial_noise(lambda g: torch.zeros(len(g), 1), gens)  # (B, 1) or (B, G, 1): the shape
     return method.rollout(zero_velocity, noise, sigma_schedule(a.num_steps, a.shift),
-                          [torch.Generator() for _ in range(prompts)], method.trained_steps(it))
+                          gens, method.trained_steps(it))
 
 
 def part1():
@@ -113,22 +115,27 @@ def part1():
 
 def recipe_cost(method):
     """One row of part 1: `--model flux --method method` at its own defaults, rolled out by train.py's code (a
-    zero velocity), its first iteration's window for the mixed samplers. Training forwards: one per start latent
-    and trained step (G2RPO's members share theirs; a trajectory's member has its own)."""
+    zero velocity), its first iteration. Sampling NFE: the rollout's and the prompts' choice (a method's
+    `anchor_candidates`: an ODE anchor per candidate); training forwards: the method's `update_nfe` (one per start
+    latent and trained step: G2RPO's members share theirs, a trajectory's member has its own)."""
     a = flags.parse_args(["--model", "flux", "--method", method, "--prompts-per-iteration", "1"])
-    rollout = zero_rollout(a, 0)
-    steps = rollout.sde_steps
-    per_member = int(getattr(a, "timestep_fraction", 1.0) * len(steps))
-    forwards = rollout.start_latents.shape[2] * per_member  # start latents a prompt (1, or G) x steps each trains
-    forwards *= getattr(flags.method_of(a), "update_forwards", lambda: 1)()  # Pave-GRPO's sub-steps
-    nfe = rollout.nfe + a.curriculum_pool * a.num_steps  # AdaGRPO's pool: an ODE anchor per candidate
-    if hasattr(a, "window_size"):
-        label = f"G {a.group_size}, N {a.num_steps}, window {a.window_size} ({method})"
-    else:
-        label = f"G {a.group_size}, N {a.num_steps}, {per_member} of steps 0..{max(steps)} trained a member"
-    if a.curriculum_pool:
-        label += f", a pool of {a.curriculum_pool} anchors"
-    return (f"--method {method}", label, nfe, rollout.calls, forwards)
+    rollout, m = zero_rollout(a, 0), flags.method_of(a)
+    nfe = rollout.nfe + m.anchor_candidates * a.num_steps
+    label = f"G {a.group_size}, N {a.num_steps}, steps {_spans(rollout.sde_steps)} trained"
+    if m.anchor_candidates:
+        label += f", a pool of {m.anchor_candidates} anchors"
+    return (f"--method {method}", label, nfe, rollout.calls, m.update_nfe(rollout))
+
+
+def _spans(steps) -> str:
+    """Trained steps as ranges: [0, 1, 2, 4] -> '0..2, 4'."""
+    spans = []
+    for k in steps:
+        if spans and k == spans[-1][1] + 1:
+            spans[-1][1] = k
+        else:
+            spans.append([k, k])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans) or "none"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,10 +194,10 @@ def part2(args):
         method = G2RPO(sde_steps=steps, group_size=G, eta=0.7, clip_range=1e-4, adv_clip_max=5.0, max_grad_norm=1.0,
                        max_batch=64, inner_epochs=1, kl_beta=0.0, granularities=grans)
         if mode == "batched":
-            method.update(velocity, params, optimizer, rollout, advantages, sigmas)
+            method.update(rollout, advantages, UpdateContext(velocity, params, optimizer, sigmas))
         else:  # the reference trains member by member: one batch-1 forward per member and step
-            dataclasses.replace(method, max_batch=1).update(velocity, params, optimizer, _per_member(rollout),
-                                                            advantages, sigmas)
+            dataclasses.replace(method, max_batch=1).update(_per_member(rollout), advantages,
+                                                            UpdateContext(velocity, params, optimizer, sigmas))
             torch.testing.assert_close(finals, rollout.final_latents, atol=1e-4, rtol=1e-4)  # same math
         t4 = time.time()
         results[mode] = dict(sampling=t1 - t0, decode=t2 - t1, reward=t3 - t2, update=t4 - t3, total=t4 - t0, nfe=nfe)
@@ -486,16 +493,13 @@ def _train(argv):
 
 
 def _nfe_per_iteration(argv):
-    """Rollout NFE of one iteration of train.py with these flags (a run's, --extra included), counted (the mixed
-    samplers: the mean over one cycle of the sliding window, or over 64 random draws)."""
+    """Rollout NFE of one iteration of train.py with these flags (a run's, --extra included), counted: the mean over
+    the method's `cost_iterations` (one cycle of a sliding window, or 64 random draws of one), with the prompt
+    pool's anchors."""
     a = flags.parse_args(argv)
-    pool = a.curriculum_pool * a.num_steps * (a.prompts_per_iteration or 1)  # AdaGRPO's anchors of the candidates
-    count = lambda it: zero_rollout(a, it).nfe + pool
-    if not hasattr(a, "window_size"):
-        return count(0)
-    # a random window's 64 draws, or one position of each of the progressive window's: starts 0..N-2 (the last empty)
-    sweep = range(0, a.window_every * (a.num_steps - 1), a.window_every) if hasattr(a, "window_every") else range(64)
-    counts = [count(it) for it in sweep]
+    method = flags.method_of(a)
+    pool = method.anchor_candidates * a.num_steps * (a.prompts_per_iteration or 1)  # the prompt pool's anchors
+    counts = [zero_rollout(a, it).nfe + pool for it in method.cost_iterations()]
     return sum(counts) // len(counts)
 
 

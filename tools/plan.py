@@ -4,9 +4,10 @@ train.py, per GPU, from the project's own code run on fake tensors.
 Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no data, so a 12 B-parameter FLUX.1-dev
 runs on a laptop: every model is built from its published configuration (tools/configs/, no weights) and driven through
 the same functions train.py calls, phase by phase, for one rank:
-  0. pool         with --curriculum-pool P (AdaGRPO's curriculum, train.curriculum_prompts): the B P candidates
-                  encoded at once, one transformer call of their ODE anchors (sampler.ode_sample, B P N forwards
-                  in calls of <= --max-batch, no gradients) with the pool's storage, and a reward batch of anchors;
+  0. pool         for a method that chooses its prompts by the ODE images of P candidates each (its
+                  `anchor_candidates`, methods/base.py: AdaGRPO's curriculum): the B P candidates encoded at
+                  once, one transformer call of their ODE anchors (sampler.ode_sample, B P N forwards in calls of
+                  <= --max-batch, no gradients) with the pool's storage, and a reward batch of anchors;
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
   2. rollout      one transformer call at the rollout's largest batch (<= --max-batch), no gradients, plus the
                   rollout's own storage (the method's rollout on fake tensors at the real latent shape with a
@@ -14,12 +15,13 @@ the same functions train.py calls, phase by phase, for one rank:
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       the method's own update as train.py calls it (`method.update`), on the rollout cut to its first
                   trained step, one inner epoch: forward, and backward through the checkpoints as configured, with
-                  Pave-GRPO's sub-steps (their activations held until the backward) and the KL's base model where
-                  --kl-beta; the optimizer step (AdamW multi-tensor, as on CUDA, with its state) and the EMA where
-                  --ema-decay; the rollout kept for it. Where one optimizer step takes several trained steps (every
-                  update but G2RPO's default) the first two steps run, so the second holds the first's gradients.
+                  a method's own extra forwards (Pave-GRPO's sub-steps, their activations held until the backward)
+                  and the KL's base model where --kl-beta; the optimizer step (AdamW multi-tensor, as on CUDA, with
+                  its state) and the EMA where --ema-decay; the rollout kept for it. Where one optimizer step takes
+                  several trained steps (every update but G2RPO's default) the first two steps run, so the second
+                  holds the first's gradients.
                   The row's FLOPs are one step's, its calls the trained steps times --inner-epochs;
-  5. evaluation   train.held_out_eval's micro-batch: encode, sample (its transformer call) and decode + score;
+  5. evaluation   lab.loop.held_out_eval's micro-batch: encode, sample (its transformer call) and decode + score;
 and what stays resident throughout: the weights, the trained weights' optimizer state, the EMA, the conditioning.
 
 How it counts:
@@ -76,12 +78,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lab import flags
 import rewards
-import train
 from lab.kernels import fp8_sharding_problem, sdpa_backends
 from lab.models import ADAPTERS
 from lab.checkpoint import EXPORT_SHARD_BYTES
 from lab.flags import fail
-from g2rpo import G2RPO
+from lab.loop import eval_items, generators as prompt_generators
+from methods.base import UpdateContext
+from lab.policy import base_velocity_fn, make_policy, make_velocity_fn
 from sampler import ode_sample, sigma_schedule
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -577,7 +580,7 @@ def _plan(args, fake, log, mesh=None):
     started = time.time()
     torch.manual_seed(args.seed)
 
-    # --- the models, as train.build_policy and train.load_reward_models make them ---------------------------------
+    # --- the models, as lab.policy's build_policy and load_reward_models make them ---------------------------------
     pipe = build_pipeline(args, folder, dtype, torch.float32 if args.full else dtype, fake_mode)
     pipe.set_progress_bar_config(disable=True)
     adapter = ADAPTERS[args.model](
@@ -585,7 +588,7 @@ def _plan(args, fake, log, mesh=None):
         offload_text_encoders=args.offload_text_encoders, attention_backend=args.attention_backend,
         rollout_attention_backend=args.rollout_attention_backend)
     with fake_mode or contextlib.nullcontext():  # LoRA weights and the KL copy as fake tensors too
-        policy = train.make_policy(args, adapter, device, dtype, distributed=mesh is not None, foreach=True,
+        policy = make_policy(args, adapter, device, dtype, distributed=mesh is not None, foreach=True,
                                    mesh=mesh)
     fsdp = (policy.transformer, policy.optimizer) if mesh is not None else None
     reward_fns, reward_modules, skipped = build_rewards(list(rewards.parse_rewards(args.rewards)), device,
@@ -613,26 +616,22 @@ def _plan(args, fake, log, mesh=None):
     method = flags.method_of(args)
     steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
-    generators = train.generators(args.seed, 0, range(B))
+    generators = prompt_generators(args.seed, 0, range(B))
     values = NoValues(fake_mode) if fake else contextlib.nullcontext()
     with values:  # fake in the plan, real in its CPU check
-        if method.same_noise:
-            noise = adapter.noise(generators, args.size)  # (B, ...)
-        else:  # (B, G, ...) one per member
-            noise = adapter.noise([g for g in generators for _ in range(args.group_size)], args.size).unflatten(
-                0, (B, args.group_size))
+        noise = method.initial_noise(lambda gens: adapter.noise(gens, args.size), generators)  # (B, ...) or (B, G, ...)
     rows, notes = [], []
     kernels = cuda_attention(args.attention_backend, args.rollout_attention_backend)
 
     with kernels, values:
         rows.append(Row("resident between phases (weights, optimizer state, EMA)", measure(lambda: None, resident,
                                                                                             fsdp), 0))
-        # 0. AdaGRPO's curriculum pool (--curriculum-pool P, train.curriculum_prompts): before the iteration's own
-        # prompts, P candidates per prompt are encoded at once, their anchors sampled (ODE, no gradients) and scored
+        # 0. the prompts' pool (a method's `prompts` that scores the ODE images of P candidates a prompt): before the
+        # iteration's own prompts, the candidates are encoded at once, their anchors sampled (no gradients), scored
         pool_nfe = 0
-        if args.curriculum_pool:
-            pool, pool_nfe = pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode,
-                                       fsdp)
+        if method.anchor_candidates:
+            pool, pool_nfe = pool_rows(args, method.anchor_candidates, adapter, policy, reward_fns, resident, encoders,
+                                       sigmas, B, fake_mode, fsdp)
             rows += pool
             log(f"curriculum pool simulated ({time.time() - started:.0f} s)")
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
@@ -644,8 +643,9 @@ def _plan(args, fake, log, mesh=None):
         # 2. rollout: its storage on fake tensors, one transformer call at its largest batch on the device
         storage, calls = rollout_storage(method, noise, sigmas, generators, steps, fake_mode)
         largest = max(b for b, _ in calls)
-        latents = torch.zeros(largest, *noise.shape[1 if method.same_noise else 2:])  # (n, ...) a call's input
-        velocity = train.make_velocity_fn(args, policy, policy.transformer, cond)
+        latent_shape = storage["rollout"].final_latents.shape[4:]  # (...) one latent: (B, J, K, G, ...) less B J K G
+        latents = torch.zeros(largest, *latent_shape)  # (n, ...) a call's input
+        velocity = make_velocity_fn(args, policy, policy.transformer, cond)
         index = torch.arange(largest) % B
         with torch.no_grad():
             call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest), index),
@@ -674,25 +674,24 @@ def _plan(args, fake, log, mesh=None):
         # the first two where one optimizer step takes several (their gradients accumulate): the second step then
         # runs with the first's gradients held, as every later step of the run does. One inner epoch (each is alike).
         K = len(steps)
-        # G2RPO steps the optimizer after each trained step; every other update (G2RPO's --no-step-per-sde-step, the
-        # series', the peers' over a chunk of members) accumulates gradients over the steps
-        accumulates = type(method).update is not G2RPO.update or not method.step_per_sde_step
+        # an update whose optimizer steps grow with its trained steps steps after each (G2RPO's default); every other
+        # (G2RPO's --no-step-per-sde-step, the series', the peers' over a chunk of members) accumulates over them
+        accumulates = method.optimizer_steps(2) == method.optimizer_steps(1)
         span = min(K, 2 if accumulates else 1)
         first_steps = dataclasses.replace(rollout, start_latents=rollout.start_latents[:, :span],
                                   next_latents=rollout.next_latents[:, :span],
                                   old_log_probs=rollout.old_log_probs[:, :span], anchor_final=None,
                                   sde_steps=rollout.sde_steps[:span])
-        # DanceGRPO's random share of (member, step) pairs is counted whole (an upper bound), as perf/update_nfe is
-        whole = {"timestep_fraction": 1.0} if hasattr(method, "timestep_fraction") else {}
-        one_epoch = dataclasses.replace(method, inner_epochs=1, **whole)
+        # the method's update at its most work (DanceGRPO's random share of steps counted whole: an upper bound, as
+        # perf/update_nfe is), one inner epoch
+        one_epoch = dataclasses.replace(method.for_planning(), inner_epochs=1)
         advantages = torch.zeros(B, span, args.group_size)  # (B, K', G): values do not change the cost
-        update_velocity = train.make_velocity_fn(args, policy, policy.model, cond)
-        base = train.base_velocity_fn(args, policy, cond)
+        # (ranks: None, where train.py passes torchrun's; it changes no cost)
+        ctx = UpdateContext(make_velocity_fn(args, policy, policy.model, cond), policy.params, policy.optimizer,
+                            sigmas, generators, base_velocity_fn(args, policy, cond))
 
         def update():
-            # (ranks: None, where train.py passes torchrun's; it changes no cost)
-            one_epoch.update(update_velocity, policy.params, policy.optimizer, first_steps, advantages, sigmas,
-                             generators, base, None)
+            one_epoch.update(first_steps, advantages, ctx)
             if policy.ema is not None:
                 policy.ema.update(0)
 
@@ -700,19 +699,20 @@ def _plan(args, fake, log, mesh=None):
         update_cost = Cost(measured.peak, measured.flops / max(span, 1))  # one trained step's
         starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
-        forwards = train.update_forwards(method)
+        # forwards with gradients per start latent and trained step (a method's own extra ones: Pave's sub-steps)
+        forwards = one_epoch.update_nfe(rollout) // max(starts * K, 1)
         epochs = f" x {args.inner_epochs} inner epochs" if args.inner_epochs > 1 else ""
         label = [f"update: {K} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of {min(starts, args.max_batch)}"]
         if forwards > 1:
-            label.append(f"{forwards} forwards each (sub-steps)")
+            label.append(f"{forwards} forwards each")
         if accumulates:
             label.append("gradients accumulate across steps")
         label.append(f"fwd + bwd{' (checkpointed)' * args.gradient_checkpointing}")
         rows.append(Row(", ".join(label), update_cost, K * args.inner_epochs))
         log(f"update simulated ({time.time() - started:.0f} s)")
 
-        # 5. evaluation, one micro-batch of train.held_out_eval: encode, sample, decode + score
-        items = train.eval_items(args_eval_prompt_count(args), args.eval_prompts, args.eval_seeds)
+        # 5. evaluation, one micro-batch of lab.loop.held_out_eval: encode, sample, decode + score
+        items = eval_items(args_eval_prompt_count(args), args.eval_prompts, args.eval_seeds)
         per_rank = -(-len(items) // world)
         eval_batch = min(args.max_batch, per_rank)
         eval_cond = {}
@@ -721,7 +721,7 @@ def _plan(args, fake, log, mesh=None):
         if eval_batch == largest:
             eval_call = call
         else:
-            eval_velocity = train.make_velocity_fn(args, policy, policy.transformer, eval_cond)
+            eval_velocity = make_velocity_fn(args, policy, policy.transformer, eval_cond)
             eval_latents = torch.zeros(eval_batch, *latents.shape[1:])  # (n, ...) one image each
             with torch.no_grad():
                 eval_call = measure(lambda: eval_velocity(_fake_copy(eval_latents, fake_mode),
@@ -745,7 +745,7 @@ def _plan(args, fake, log, mesh=None):
     rollout_nfe = args.num_iterations * (nfe + pool_nfe) * world
     notes.append(f"evaluation: {evaluations} x {len(items)} held-out images x {args.num_steps} steps = "
                  f"{eval_nfe:,} forwards over the run, {100 * eval_nfe / rollout_nfe:.1f} % of the rollouts' "
-                 f"{rollout_nfe:,}" + (" (the curriculum pools' included)" if pool_nfe else ""))
+                 f"{rollout_nfe:,}" + (" (the prompt pools' included)" if pool_nfe else ""))
     notes.append("not simulated, add them: the CUDA context, allocator fragmentation and NCCL / cuBLAS workspaces "
                  "(a few GiB), torch.compile, the kernels' distance from the FLOP floor"
                  + (f"; DDP's bucket copy of the LoRA gradients ({lora_grads / GiB:.2f} GiB)" if lora_grads else ""))
@@ -803,8 +803,8 @@ def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
     floor = lambda row, calls: row.cost.flops * calls / (args.peak_tflops * 1e12)
     longest = lambda *names: max(floor(r, 1) for r in rows if r.phase.startswith(names))
     update = next(r for r in rows if r.phase.startswith("update"))
-    call = longest("rollout", "curriculum pool: ODE anchors")
-    batch = longest("decode", "curriculum pool: decode")
+    call = longest("rollout", "prompt pool: ODE anchors")
+    batch = longest("decode", "prompt pool: decode")
     whole_update = floor(update, update.calls)
     cut = args.gpus > 1
     in_update = whole_update / max(optimizer_steps, 1) if cut else whole_update
@@ -813,8 +813,8 @@ def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
     verdict = "within" if worst + write <= args.grace_s else "beyond"
     where = (f"at the next optimizer step of the update ({in_update:.1f} s, one of {optimizer_steps})" if cut else
              f"at worst after the update ({whole_update:.1f} s)")
-    pool = any(r.phase.startswith("curriculum pool") for r in rows)
-    return (f"preemption: a SIGTERM stops at the next rollout{' or curriculum pool' * pool} call ({call:.1f} s at "
+    pool = any(r.phase.startswith("prompt pool") for r in rows)
+    return (f"preemption: a SIGTERM stops at the next rollout{' or prompt pool' * pool} call ({call:.1f} s at "
             f"the time floor) or reward batch "
             f"({batch:.1f} s), or {where}, then writes one checkpoint ({write:.0f} s): {worst + write:.0f} s at "
             f"worst, {verdict} a grace of {args.grace_s:g} s (--grace-s; real kernels run slower than the floor); no "
@@ -858,37 +858,36 @@ def sampled_storage(sample, noise, fake_mode=None):
     return result, calls
 
 
-def pool_rows(args, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp):
-    """The rows of AdaGRPO's curriculum pool as train.curriculum_prompts runs it: the B P candidates encoded in one
-    call, their anchors sampled by `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and
-    scored in reward batches; the pool's conditioning, noise and anchors are held throughout. The iteration's own
-    tensors do not exist yet (the pool chooses its prompts). Returns the rows and the pool's NFE (train.py counts it
-    in perf/nfe)."""
-    P = args.curriculum_pool
+def pool_rows(args, P, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp):
+    """The rows of a prompt pool of P candidates a prompt as lab.loop.Harness.ode_images serves a method's
+    `prompts` (AdaGRPO's curriculum): the B P candidates encoded in one call, their anchors sampled by
+    `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and scored in reward batches; the
+    pool's conditioning, noise and anchors are held throughout. The iteration's own tensors do not exist yet (the
+    pool chooses its prompts). Returns the rows and the pool's NFE (train.py counts it in perf/nfe)."""
     candidates = ["a photograph of an astronaut riding a horse on the moon"] * (B * P)
     pool_cond = {}
     encode = measure(lambda: pool_cond.update(adapter.encode(candidates)), resident + encoders, fsdp)
-    noise = adapter.noise(train.generators(args.seed, 0, range(B * P)), args.size)  # (B * P, ...)
+    noise = adapter.noise(prompt_generators(args.seed, 0, range(B * P)), args.size)  # (B * P, ...)
     anchors, calls = sampled_storage(lambda velocity_fn, x: ode_sample(velocity_fn, x, sigmas,
                                                                       max_batch=args.max_batch), noise, fake_mode)
     largest = max(b for b, _ in calls)
-    velocity = train.make_velocity_fn(args, policy, policy.transformer, pool_cond)
+    velocity = make_velocity_fn(args, policy, policy.transformer, pool_cond)
     latents = torch.zeros(largest, *noise.shape[1:])  # (n, ...) a call's input
     held = resident + list(pool_cond.values())
     with torch.no_grad():
         call = measure(lambda: velocity(_fake_copy(latents, fake_mode), sigmas[0].expand(largest),
                                         torch.arange(largest)), held, fsdp)
     samples = sum(b for b, _ in calls)
-    nfe = samples * adapter.forwards_per_velocity  # train.curriculum_prompts' "nfe": B P N
+    nfe = samples * adapter.forwards_per_velocity  # the method's Batch.nfe: B P N
     n = min(args.reward_batch_size, anchors.shape[0])
     batch = anchors[:n]
     reward = measure(lambda: [fn(adapter.decode(batch, args.size), candidates[:n]) for fn in reward_fns.values()],
                      held + [noise, anchors], fsdp)
-    return [Row(f"curriculum pool: encode {B * P} candidates ({P} a prompt)", encode, 1),
-            Row(f"curriculum pool: ODE anchors, {len(calls)} calls, {nfe} NFE (largest call {largest})",
+    return [Row(f"prompt pool: encode {B * P} candidates ({P} a prompt)", encode, 1),
+            Row(f"prompt pool: ODE anchors, {len(calls)} calls, {nfe} NFE (largest call {largest})",
                 Cost(added(call, max(s for _, s in calls)).peak, call.flops / largest * samples / len(calls)),
                 len(calls)),
-            Row(f"curriculum pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))], nfe
+            Row(f"prompt pool: decode + reward, batch {n}", reward, math.ceil(anchors.shape[0] / n))], nfe
 
 
 

@@ -1,0 +1,244 @@
+"""The method interface: everything train.py asks of a method, with the defaults a method may leave alone, and the
+small parts of an update that every method shares.
+
+A method is a dataclass derived from `Method`. Its fields are the values it reads: the run's flags every method
+reads (declared once, here), the run's flags it reads besides (--sde-steps, --num-steps, --seed: declared in its
+class, documented in lab/flags.py), then its own flags, each with a docstring, which train.py puts on its command
+line under that --method (`python train.py --method NAME --help` lists them). One iteration asks it, in order:
+
+    prompts(it, data) -> Batch        which prompts it trains on (default: the shuffled data order)
+    initial_noise(draw, generators)   x_T: one per prompt (B, ...), default, or one per member (B, G, ...)
+    trained_steps(it)                 the SDE steps it trains in iteration `it` ([] for a method with none)
+    rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn) -> sampler.Rollout
+    advantages(scores (B, J, K, G, R), weights (R,), ranks) -> (B, K or 1, G)
+    update(rollout, advantages (B, K, G), ctx: UpdateContext) -> statistics (`update_stats`)
+
+and, around the iteration:
+
+    problem(num_steps)                why its values cannot run, in one line, or None (checked before anything loads)
+    notes(sigmas)                     lines worth saying before the run starts
+    start(trained)                    once, before training or a resume: the trained parameters, by name, for a
+                                      method that keeps a copy of them (an old or EMA policy)
+    state_dict(), load_state_dict()   its state across iterations, saved in every checkpoint ({name: {key: tensor}},
+                                      each a file of the checkpoint) and restored on --resume; state it moves before
+                                      its update is restored by the loop when a stop drops the iteration
+    optimizer_steps(K)                the optimizer steps of one update over K trained steps
+    update_nfe(rollout)               forwards with gradients of one update (perf/update_nfe, tools/plan.py); an
+                                      upper bound where the update draws which members train (DanceGRPO)
+    cost_iterations()                 the iterations whose rollouts' mean cost is a run's (tools/bench.py's budget):
+                                      the first, or one per position of a moving window
+    anchor_candidates                 candidates per trained prompt whose ODE image `prompts` scores (its cost)
+    for_planning()                    a copy whose update does the most work it can (tools/plan.py's upper bound)
+    check_loss(velocity_fn, rollout, sigmas)
+                                      the loss the first update's gradient self-check compares kernels on, or a
+                                      one-line reason why there is none
+
+Class attributes: `per_step_advantages` (each trained step has its own advantage, so --step-credit can move them);
+`recipe` (the run's flags it sets on every --model) and `presets` ({model: values} on top of it, e.g. its
+published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
+configuration written before methods had files of their own held for it, checked on resume).
+
+A new method is a file in methods/ and a line in methods/__init__.py's registry; docs/methods.md walks one through.
+
+Shapes: B prompts, G group size, K trained steps, S start latents per prompt and step (1: G2RPO's anchor; G: one
+per member), (...) a latent.
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Batch:
+    """This rank's prompts of an iteration: the prompts, their global positions (which key their noise), the
+    forwards spent choosing them, and what the choice logs."""
+
+    prompts: list
+    positions: list
+    nfe: int = 0
+    metrics: dict = None
+
+
+@dataclass
+class UpdateContext:
+    """What an update works with besides the rollout and its advantages.
+
+    velocity_fn(x, sigma, prompt_index): the policy's velocity, with gradients (through DDP / FSDP2)
+    params, optimizer: the trained parameters and their AdamW
+    sigmas: the schedule (N + 1,); generators: one CPU generator per prompt, for an update's own draws
+    base_velocity_fn: the base model's velocity, for the KL term (None without one)
+    ranks: None in one process, or the run's ranks: .world, .sum(n), .max(n), .gather(tensor)
+    iteration: the iteration (0-based), for a method's schedules
+    """
+
+    velocity_fn: Callable
+    params: list
+    optimizer: torch.optim.Optimizer
+    sigmas: torch.Tensor
+    generators: list = None
+    base_velocity_fn: Callable = None
+    ranks: object = None
+    iteration: int = 0
+
+
+@dataclass
+class Method:
+    """The interface, with its defaults. The fields are the run's flags every method reads."""
+
+    group_size: int
+    """G, samples per prompt."""
+    eta: float
+    """eta, the SDE noise level."""
+    clip_range: float
+    """epsilon of the clipped ratio."""
+    adv_clip_max: float
+    """Advantages are clamped to +- this."""
+    max_grad_norm: float
+    """Gradient-norm clip."""
+    max_batch: int
+    """Largest batch of one transformer call."""
+    inner_epochs: int
+    """Passes of the update over each rollout."""
+    kl_beta: float
+    """beta, the weight of the KL to the base model."""
+
+    per_step_advantages = True
+    recipe, presets, per_steps, legacy = {}, {}, {}, {}
+    anchor_candidates = 0
+
+    def problem(self, num_steps):
+        return None
+
+    def notes(self, sigmas):
+        return []
+
+    def start(self, trained):
+        """trained: [(name, parameter)] of the policy. Default: nothing to keep."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict):
+        pass
+
+    def prompts(self, it, data) -> Batch:
+        """This rank's prompts of iteration `it`: the data order (`data.batch`, lab/loop.py)."""
+        return Batch(*data.batch(it))
+
+    def initial_noise(self, draw, generators):
+        """x_T, one per prompt, shared by its G members: (B, ...). draw(generators) -> (n, ...), one each."""
+        return draw(generators)
+
+    def optimizer_steps(self, num_trained_steps):
+        return self.inner_epochs * num_trained_steps
+
+    def update_nfe(self, rollout):
+        """One forward with gradients per start latent, trained step and inner epoch."""
+        B, K, S = rollout.start_latents.shape[:3]
+        return B * S * K * self.inner_epochs
+
+    def cost_iterations(self):
+        return [0]
+
+    def for_planning(self):
+        return self
+
+    def check_loss(self, velocity_fn, rollout, sigmas):
+        """The log-likelihood of the first prompt's members at its first trained step (`sde_check_loss`)."""
+        if not rollout.sde_steps:
+            return "this iteration trains no SDE step"
+        return sde_check_loss(velocity_fn, rollout, sigmas, self.step)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the SDE-step updates share: the members' log-probabilities, the optimizer step, the statistics
+# ---------------------------------------------------------------------------------------------------------------
+def per_member_noise(draw, generators, group_size):
+    """x_T, one per member, drawn in turn from its prompt's generator: (B, G, ...)."""
+    return draw([gen for gen in generators for _ in range(group_size)]).unflatten(0, (len(generators), group_size))
+
+
+def member_log_probs(step_fn, start_latents, velocity, targets, sigmas, k):
+    """The log-probability of each stored sample under the step from its start latent: start_latents (n, ...) and
+    their velocity (n, ...), targets (n, M, ...), the M members that left each start latent. Returns (n, M)."""
+    n, members = targets.shape[:2]
+    _, log_probs = step_fn(start_latents.repeat_interleave(members, 0), velocity.repeat_interleave(members, 0),
+                           sigmas, k, next_latents=targets.flatten(0, 1))  # (n * M,)
+    return log_probs.view(n, members)  # (n, M)
+
+
+def optimizer_step(params, optimizer, max_grad_norm):
+    """Clip the gradient norm and step, unless the norm is not finite (then the parameters stay untouched).
+    Returns the gradient norm before clipping."""
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def ratio_stats(log_ratio, clip_range):
+    """What the ratios r = exp(log_ratio) of the trained members say: approx_kl = mean (log r)^2 / 2, the share
+    clipped, and their mean, max and min."""
+    ratio = log_ratio.exp()
+    return {"approx_kl": float(0.5 * (log_ratio**2).mean()),
+            "clipfrac": float(((ratio - 1).abs() > clip_range).float().mean()),
+            "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()), "ratio_min": float(ratio.min())}
+
+
+def update_stats(per_step, grad_norms, per_optimizer_step=False):
+    """An update's statistics from its steps' (each a dict of floats, in order, or None where this rank trained no
+    member) and its gradient norms: each averaged over the trained steps (loss and kl: over the optimizer steps
+    when `per_optimizer_step`, where each entry holds its share of one optimizer step's objective), ratio_max the
+    max, ratio_min the min, grad_norm over the steps taken, the counts optimizer_steps and skipped_steps, and
+    first_ratio_error: max |r - 1| over the members of the first step scored, before any optimizer step, where the
+    policy is still the rollout's and r is 1 up to rounding (nan where this rank scored none there)."""
+    first = per_step[0] if per_step else None  # scored before the first optimizer step
+    per_step = [s for s in per_step if s is not None]  # (steps no member of this rank trains give None)
+    if not per_step:
+        per_step = [dict(loss=0.0, kl=0.0, approx_kl=0.0, clipfrac=0.0, ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0)]
+    stats = {name: sum(s[name] for s in per_step) / len(per_step) for name in per_step[0]}
+    if per_optimizer_step and grad_norms:
+        stats.update({name: sum(s[name] for s in per_step) / len(grad_norms) for name in ("loss", "kl")})
+    stats["ratio_max"] = max(s["ratio_max"] for s in per_step)
+    stats["ratio_min"] = min(s["ratio_min"] for s in per_step)
+    stats["first_ratio_error"] = (max(first["ratio_max"] - 1, 1 - first["ratio_min"]) if first is not None
+                                  else float("nan"))
+    taken = [g for g in grad_norms if math.isfinite(g)]
+    stats["grad_norm"] = sum(taken) / len(taken) if taken else float("nan")
+    stats["optimizer_steps"], stats["skipped_steps"] = len(taken), len(grad_norms) - len(taken)
+    return stats
+
+
+def sde_check_loss(velocity_fn, rollout, sigmas, step_fn):
+    """The loss the gradient self-check (lab/kernels.py) compares kernels on, for every method that scores SDE
+    steps: the first prompt's members at its first trained step, scored by one forward, as -mean_i r_i (the
+    unclipped surrogate with advantages of one: at the first step r = 1, where a clip's mask would flip on ratio
+    differences of 1e-4 that the math kernel's rounding alone makes; and its gradient is the log-likelihood's,
+    which no advantage can zero). It draws no random numbers, so it can run under each kernel in turn."""
+    k = rollout.sde_steps[0]
+    members = rollout.next_latents.shape[2] // rollout.start_latents.shape[2]  # G, or 1 (one start per member)
+    start = rollout.start_latents[:1, 0, 0]  # (1, ...)
+    targets = rollout.next_latents[:1, 0, :members]  # (1, G/S, ...)
+    index = torch.zeros(1, dtype=torch.long, device=start.device)
+
+    def loss_fn():
+        velocity = velocity_fn(start, sigmas[k].expand(1).to(start.device), index)  # (1, ...)
+        log_probs = member_log_probs(step_fn, start, velocity, targets, sigmas, k)  # (1, G/S)
+        ratio = torch.exp(log_probs - rollout.old_log_probs[:1, 0, :members].to(log_probs.device))
+        return (-ratio).mean()
+    return loss_fn
+
+
+def check_sde_steps(sde_steps, num_steps):
+    """Why a list of trained SDE steps (--sde-steps) cannot run on N steps, in one line, or None."""
+    if not sde_steps:
+        return "--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3"
+    if len(set(sde_steps)) != len(sde_steps):
+        return f"--sde-steps {sde_steps} repeats a step; list each step once"
+    bad = [k for k in sde_steps if not 0 <= k < num_steps]
+    if bad:
+        return f"--sde-steps {bad} outside the schedule of --num-steps {num_steps}; use steps in 0..{num_steps - 1}"
+    return None
