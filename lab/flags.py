@@ -30,7 +30,7 @@ import rewards
 from lab import fail
 from lab.kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
 from lab.models import ADAPTERS, RESOLUTION_MULTIPLE
-from methods import METHODS, STEP_CREDITS
+from methods import DEFAULT_METHOD, METHODS, STEP_CREDITS
 from sampler import sigma_schedule
 
 
@@ -152,7 +152,7 @@ class TrainArgs:
     whole-trajectory methods train these steps of every trajectory (full-sde; Flow-GRPO 0..N-2; DanceGRPO a random
     share of 0..N-2 per member); the windowed ones (flow-grpo-fast, mixgrpo) train their window instead."""
     # --- the method (each method's own flags join these under its --method: methods/) ---
-    method: Literal[tuple(METHODS)] = "g2rpo"
+    method: Literal[tuple(METHODS)] = DEFAULT_METHOD
     """The method: g2rpo; full-sde (G2RPO's rollout replaced by whole SDE trajectories: its ablation); a peer as its
     authors run it: dancegrpo, flow-grpo, flow-grpo-fast, mixgrpo; G2RPO's authors' follow-ups: pavegrpo, adagrpo
     (methods/, a file each). A method sets its algorithm's values on every --model, and with --model flux also its
@@ -320,7 +320,7 @@ def args_class(method: str, base=None):
     rewards.REWARDS."""
     # --method's choices are read now, so that a method registered after import (a fork's, a test's) is one of them
     choice = ("method", Annotated[Literal[tuple(METHODS)], tyro.conf.arg(help=flag_help("method"))],
-              field(default="g2rpo"))
+              field(default=DEFAULT_METHOD))
     return dataclasses.make_dataclass("Args", [choice, *method_fields(method), *reward_path_fields()],
                                       bases=(base or TrainArgs,))
 
@@ -474,7 +474,7 @@ def parse_args(argv=None, base=None):
     --help shows the resulting values). `base`: a dataclass derived from TrainArgs, for a script that takes these
     flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", "g2rpo")
+    model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", DEFAULT_METHOD)
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
     if method not in METHODS:
@@ -496,7 +496,7 @@ def parse_args(argv=None, base=None):
             fail(f"unknown flag {name}" + (f": {REMOVED[name]}" if name in REMOVED else
                                             f" for --method {method}; see python train.py --method {method} --help"))
     args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method)),
-                    description=(sys.modules[cls.__module__].__doc__ or __doc__).split("\n\n")[0])
+                    description=description(base))
     # the recipe's values that follow N, for the N this run has (a --num-steps given), unless given themselves
     for name, rule in METHODS[method].per_steps.items():
         if not _given(argv, name):
@@ -516,12 +516,19 @@ def parse_args(argv=None, base=None):
     return args
 
 
+def description(base=None) -> str:
+    """--help's first line: the script's own (the docstring of the module that defines `base`, e.g. tools/plan.py's,
+    else of the script run, e.g. train.py's), or this module's."""
+    module = sys.modules.get(base.__module__ if base is not None else "__main__")
+    return ((module.__doc__ if module is not None else None) or __doc__).split("\n\n")[0]
+
+
 def _preset_steps(model: str, method: str) -> int:
     return {**PRESETS[model], **METHODS[method].presets.get(model, {})}.get(
         "num_steps", TrainArgs.num_steps)
 
 
-def preset(model: str, method: str = "g2rpo") -> dict:
+def preset(model: str, method: str = DEFAULT_METHOD) -> dict:
     """Every flag's value under `--model model --method method` and no other flag: the recipe over the preset over
     the defaults."""
     return dataclasses.asdict(args_class(method)(model=model, method=method, **method_defaults(model, method)))

@@ -5,7 +5,8 @@ gradients. `Kernels` is the context of every call: autocast to the compute dtype
 phase (chosen apart, because a fast kernel can be right in one phase and wrong in the other), gradient
 checkpointing whose recompute keeps the forward's kernels, and optional regional compilation. The gradient
 self-check (`check_gradient`) compares the update's gradient with the math kernel's, once, at a run's first update:
-a wrong kernel would otherwise skip or corrupt every step of a long GPU run. `g2rpo.update_loss` is the loss it checks.
+a wrong kernel would otherwise skip or corrupt every step of a long GPU run. A method's `check_loss`
+(methods/base.py) is the loss it checks.
 
 `Float8Copy` is the transformer's FP8 twin for the rollout's forwards that only make images (--rollout-precision
 fp8): torchao's dynamic float8 quantization with per-row scales on the blocks' linear layers, compiled.

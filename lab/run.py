@@ -416,7 +416,7 @@ class Run:
         """Save a checkpoint; weights that are not finite stop the run instead (the last good checkpoint stays the
         newest).
         `final`: the run's last, which a sharded full fine-tune also exports as transformer/. `states`: further
-        named state dicts of tensors, the same on every rank (AdaGRPO's curriculum), saved beside the weights."""
+        named state dicts of tensors, the same on every rank (a method's, methods/base.py), saved beside the weights."""
         # each rank checks its own shards (FSDP2) or copy (DDP): no weights are gathered for it
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
         finite = not any_rank(any(not bool(torch.isfinite(p).all()) for p in local), self.distributed)

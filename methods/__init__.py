@@ -19,6 +19,8 @@ REGISTRY = {
     "adagrpo": "methods.adagrpo:AdaGRPO",
 }
 
+DEFAULT_METHOD = "g2rpo"  # --method's default: the paper's
+
 STEP_CREDITS = ("own", "mean", "rolled")
 
 

@@ -151,7 +151,8 @@ class AdaGRPO(Method):
 
     def problem(self, num_steps):
         if self.curriculum_pool < 2:
-            return f"--curriculum-pool {self.curriculum_pool}: a prompt is chosen from at least 2 candidates (AdaGRPO 10)"
+            return (f"--curriculum-pool {self.curriculum_pool}: a prompt is chosen from at least 2 candidates "
+                    f"(AdaGRPO 10)")
         if self.curriculum_pool > 1000:
             return (f"--curriculum-pool {self.curriculum_pool}: at most 1000 candidates a prompt (each costs "
                     f"--num-steps forwards; AdaGRPO 10)")

@@ -123,6 +123,25 @@ class Method:
     def load_state_dict(self, state: dict):
         pass
 
+    # ---- what every method defines ----
+    def trained_steps(self, iteration):
+        """The SDE steps trained in iteration `iteration` ([] for a method that trains none)."""
+        raise NotImplementedError
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """The rollout from `noise` (`initial_noise`'s), no gradients: a `sampler.Rollout`."""
+        raise NotImplementedError
+
+    def advantages(self, scores, weights, ranks=None):
+        """scores (B, J, K, G, R) and the reward weights (R,) -> advantages (B, K or 1, G)."""
+        raise NotImplementedError
+
+    def update(self, rollout, advantages, ctx):
+        """The policy update on one rollout: advantages (B, K, G), ctx an `UpdateContext`. Returns `update_stats`'
+        statistics (at least optimizer_steps and skipped_steps)."""
+        raise NotImplementedError
+
+    # ---- the hooks with a default ----
     def prompts(self, it, data) -> Batch:
         """This rank's prompts of iteration `it`: the data order (`data.batch`, lab/loop.py)."""
         return Batch(*data.batch(it))

@@ -12,6 +12,8 @@ import statistics
 import pytest
 import torch
 
+from methods.base import UpdateContext
+
 from conftest import run_train
 from lab import flags
 from methods import METHODS
@@ -213,8 +215,8 @@ def test_dancegrpo_trained_steps_and_its_accumulated_update():
     advantages = torch.randn(B, K, G)
     # the steps each member trains, drawn by its update from the prompt's generator (restated below)
     mask = random_step_mask([torch.Generator().manual_seed(5)], K, G, 0.6)  # (B, K, G): 1 of 3 steps each
-    dance.update(net, [weight], torch.optim.SGD([weight], lr=0.1), rollout, advantages, sigmas,
-                 generators=[torch.Generator().manual_seed(5)])
+    dance.update(rollout, advantages, UpdateContext(net, [weight], torch.optim.SGD([weight], lr=0.1), sigmas,
+                                                    generators=[torch.Generator().manual_seed(5)]))
     ours = float(weight.detach())
     weight.data.fill_(0.3)
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -259,10 +261,10 @@ TABLE = {
                     rewards=["hpsv3=1.0"], gradient_checkpointing=False),
 }
 # what a method of whole trajectories runs, by construction, where G2RPO runs otherwise
-FIXED = {"dancegrpo": dict(same_noise=True, per_step_advantages=False),
-         "flow-grpo": dict(same_noise=False, per_step_advantages=False),
-         "flow-grpo-fast": dict(same_noise=False, per_step_advantages=False),
-         "mixgrpo": dict(same_noise=True, per_step_advantages=False)}
+FIXED = {"dancegrpo": dict(shared_noise=True, per_step_advantages=False),
+         "flow-grpo": dict(shared_noise=False, per_step_advantages=False),
+         "flow-grpo-fast": dict(shared_noise=False, per_step_advantages=False),
+         "mixgrpo": dict(shared_noise=True, per_step_advantages=False)}
 
 
 @pytest.mark.parametrize("method", list(TABLE))
@@ -270,7 +272,12 @@ def test_recipes_resolve_to_the_table(method):
     args = vars(flags.parse_args(["--model", "flux", "--method", method]))
     assert {k: args[k] for k in TABLE[method]} == TABLE[method]
     assert flags.preset("flux", method) == {**args}  # evaluate.py's view of the same defaults
-    for name, value in FIXED.get(method, {}).items():
+    fixed = dict(FIXED.get(method, {}))
+    if "shared_noise" in fixed:  # x_T one per prompt (B, ...), or one per member (B, G, ...)
+        noise = flags.method_of(flags.parse_args(["--model", "flux", "--method", method])).initial_noise(
+            lambda gens: torch.zeros(len(gens), 1), [torch.Generator()] * 2)
+        assert (noise.dim() == 2) == fixed.pop("shared_noise")
+    for name, value in fixed.items():
         assert getattr(METHODS[method], name) == value, name
     # on the tiny model the preset's sizes stand and the algorithm changes
     tiny = vars(flags.parse_args(["--model", "tiny", "--method", method]))
@@ -303,7 +310,7 @@ def test_an_impossible_value_is_refused_in_one_line(capsys):
                         (["--method", "mixgrpo", "--num-steps", "2", "--sde-steps", "0"], "--num-steps 3 or more"),
                         (["--method", "mixgrpo", "--window-size", "9"], "longer than the schedule"),
                         (["--method", "mixgrpo", "--granularities", "1"], "a flag of --method g2rpo"),
-                        (["--method", "full-sde", "--step-credit", "mean"], "control for --method g2rpo"),
+                        (["--method", "full-sde", "--step-credit", "mean"], "a control for the methods whose steps have their own"),
                         (["--granularities", "0"], "distinct strides"),
                         (["--method", "nope"], "unknown --method")]:
         with pytest.raises(SystemExit) as exit_info:

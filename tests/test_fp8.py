@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import QUICK, ROOT, run_train
+from methods.base import UpdateContext
 from lab.kernels import Float8Copy, fp8_problem, round_to_fp8_rows
 from methods import METHODS
 from methods.trajectories import rollout_trajectories
@@ -97,12 +98,13 @@ def test_the_same_function_for_both_is_the_rollout_without_one(sampling):
 
 
 def tiny_policy(flux_path, tmp_path, *flags):
-    import train
+    from lab.flags import parse_args
+    from lab.policy import build_policy, load_reward_models
 
-    args = train.parse_args(["--model", "flux", "--model-path", flux_path, "--output-dir", str(tmp_path / "run"),
-                             *QUICK, "--lr", "1e-3", *flags])
-    policy = train.build_policy(args, torch.device("cpu"), torch.float32, False, lambda *a: None)
-    return args, policy, train.load_reward_models(args, torch.device("cpu"), torch.float32, {"shapes": 1.0})
+    args = parse_args(["--model", "flux", "--model-path", flux_path, "--output-dir", str(tmp_path / "run"),
+                       *QUICK, "--lr", "1e-3", *flags])
+    policy = build_policy(args, torch.device("cpu"), torch.float32, False, lambda *a: None)
+    return args, policy, load_reward_models(args, torch.device("cpu"), torch.float32, {"shapes": 1.0})
 
 
 @pytest.mark.parametrize("lora", [0, 4])
@@ -150,6 +152,10 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     copy (the routing broken) is 1.5e-5 off: the check says so in a note within the clip range of 1e-4, and stops
     the run in one line past a clip range it exceeds."""
     import train
+    from lab.flags import method_of
+    from lab.loop import FirstUpdateChecks, Harness, generators
+    from lab.policy import make_velocity_fn
+    from lab.run import Run
 
     args, policy, reward_models = tiny_policy(flux_path, tmp_path, "--lora-rank", "4")
     policy.fp8 = Float8Copy(policy.transformer, compile=False, quantize=round_to_fp8_rows)
@@ -159,9 +165,10 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     prompts = ["a red circle on the left", "a blue bar on the top"]
     lines = []
-    check = train.FirstUpdateChecks(args, policy, sigmas, lines.append)
-    method = train.method_of(args)
-    metrics = train.iteration(args, 0, method, policy, reward_models, prompts, sigmas, 0, 1, False, check)
+    h = Harness(args, policy, reward_models, Run(args, 0, 1, False, lines.append), prompts, prompts, 0, 1, False)
+    h.check = check = FirstUpdateChecks(args, policy, sigmas, lines.append)
+    method = method_of(args)
+    metrics = train.iteration(0, method, h)
     for hook in hooks:
         hook.remove()
     B, K = args.prompts_per_iteration, len(args.sde_steps)
@@ -174,15 +181,16 @@ def test_an_iteration_with_the_fp8_copy(flux_path, tmp_path):
 
     # broken routing: the whole rollout on the copy
     cond = policy.adapter.encode(prompts)
-    on_copy = train.make_velocity_fn(args, policy, policy.fp8.module, cond)
-    gens = train.generators(args.seed, 1, range(B))
+    on_copy = make_velocity_fn(args, policy, policy.fp8.module, cond)
+    gens = generators(args.seed, 1, range(B))
     rollout = method.rollout(on_copy, policy.adapter.noise(gens, args.size), sigmas, gens, args.sde_steps)
-    stats = method.update(train.make_velocity_fn(args, policy, policy.model, cond), policy.params,
-                          torch.optim.AdamW(policy.params, lr=0.0), rollout, torch.ones(B, K, args.group_size), sigmas)
+    ctx = UpdateContext(make_velocity_fn(args, policy, policy.model, cond), policy.params,
+                        torch.optim.AdamW(policy.params, lr=0.0), sigmas)
+    stats = method.update(rollout, torch.ones(B, K, args.group_size), ctx)
     check.after(stats)  # 1.5e-5 from 1 here: within the clip range of 1e-4, so a note
     assert "not exact: the rollout's forwards at the trained steps differ from the update's" in lines[-1]
     with pytest.raises(SystemExit, match="first-step ratio check failed: .* beyond --clip-range 1e-05"):
-        train.FirstUpdateChecks(dataclasses.replace(args, clip_range=1e-5), policy, sigmas, lines.append).after(stats)
+        FirstUpdateChecks(dataclasses.replace(args, clip_range=1e-5), policy, sigmas, lines.append).after(stats)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")

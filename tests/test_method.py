@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from methods.base import UpdateContext
+
 from advantage import granular_advantages, group_normalize
 from g2rpo import G2RPO, clipped_loss
 from sampler import (granular_schedule, ode_sample, rollout_g2rpo, rollout_g2rpo_paper, sde_kl, sde_std_dev, sde_step,
@@ -267,11 +269,12 @@ def test_one_iteration_learns():
     adv = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
-    frozen = lambda **kw: g2rpo(**kw).update(net, params, torch.optim.SGD(params, lr=0.0), out, adv, sigmas)
+    frozen = lambda **kw: g2rpo(**kw).update(out, adv,
+                                             UpdateContext(net, params, torch.optim.SGD(params, lr=0.0), sigmas))
     loss_before = frozen(step_per_sde_step=False)["loss"]
     first = frozen()
     assert abs(first["ratio_mean"] - 1) < 1e-6 and first["approx_kl"] < 1e-12  # ratio is 1 before any update
-    stats = g2rpo().update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas)
+    stats = g2rpo().update(out, adv, UpdateContext(net, params, torch.optim.SGD(params, lr=1e-2), sigmas))
     assert stats["optimizer_steps"] == 3 and stats["skipped_steps"] == 0 and stats["grad_norm"] > 0
     assert any(not torch.equal(p, q) for p, q in zip(params, before))
     assert frozen(step_per_sde_step=False)["loss"] < loss_before
@@ -289,12 +292,11 @@ def test_inner_epochs_pass_over_the_rollout_again(step_per_sde_step):
     adv = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1))
     params = list(net.parameters())
     start = copy.deepcopy(net.state_dict())
-    once = g2rpo(step_per_sde_step=step_per_sde_step).update(net, params, torch.optim.SGD(params, lr=1e-2), out, adv,
-                                                            sigmas)
+    context = lambda: UpdateContext(net, params, torch.optim.SGD(params, lr=1e-2), sigmas)
+    once = g2rpo(step_per_sde_step=step_per_sde_step).update(out, adv, context())
     after_once = [p.detach().clone() for p in params]
     net.load_state_dict(start)
-    twice = g2rpo(step_per_sde_step=step_per_sde_step, inner_epochs=2).update(
-        net, params, torch.optim.SGD(params, lr=1e-2), out, adv, sigmas)
+    twice = g2rpo(step_per_sde_step=step_per_sde_step, inner_epochs=2).update(out, adv, context())
     assert twice["optimizer_steps"] == 2 * once["optimizer_steps"] == (4 if step_per_sde_step else 2)
     assert twice["first_ratio_error"] == once["first_ratio_error"] < 1e-6
     assert twice["ratio_max"] - 1 > once["ratio_max"] - 1 or twice["ratio_min"] < once["ratio_min"]
@@ -310,8 +312,8 @@ def test_kl_term_zero_at_the_base_and_positive_after_an_update():
                         granularities=[1], eta=0.7)
     adv = torch.randn(1, 2, 4)
     params = list(net.parameters())
-    update = lambda lr: g2rpo(kl_beta=0.5).update(net, params, torch.optim.SGD(params, lr=lr), out, adv, sigmas,
-                                                  base_velocity_fn=base)
+    update = lambda lr: g2rpo(kl_beta=0.5).update(
+        out, adv, UpdateContext(net, params, torch.optim.SGD(params, lr=lr), sigmas, base_velocity_fn=base))
     assert update(0.0)["kl"] == 0.0
     update(1e-2)
     assert update(0.0)["kl"] > 0.0
@@ -325,6 +327,7 @@ def test_update_skips_non_finite():
     params = list(net.parameters())
     before = [p.detach().clone() for p in params]
     adv = torch.tensor([[[float("nan"), 1.0]]])
-    stats = g2rpo(max_grad_norm=1.0).update(net, params, torch.optim.SGD(params, lr=1.0), out, adv, sigmas)
+    stats = g2rpo(max_grad_norm=1.0).update(out, adv,
+                                            UpdateContext(net, params, torch.optim.SGD(params, lr=1.0), sigmas))
     assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 0
     assert all(torch.equal(p, q) for p, q in zip(params, before))

@@ -31,6 +31,21 @@ def example_method(tmp_path, monkeypatch):
     return module.RankG2RPO
 
 
+def test_the_page_names_every_hook_of_the_interface():
+    """The page's table of hooks is the interface of methods/base.py: every hook its docstring lists is a member of
+    `Method`, and a row of the table."""
+    import methods.base
+
+    with open(os.path.join(ROOT, "docs", "methods.md"), encoding="utf-8") as f:
+        page = f.read()
+    table = page[page.index("| hook |"):page.index("The loop calls nothing else")]
+    listed = re.findall(r"^    (\w+)(?:\(|\s)", methods.base.__doc__, re.M)
+    hooks = [name for name in listed if hasattr(methods.base.Method, name)]
+    assert len(hooks) >= 16, listed
+    for name in hooks:
+        assert f"`{name}" in table, name
+
+
 def test_the_worked_example_trains(tiny_cache, tmp_path, monkeypatch):
     RankG2RPO = example_method(tmp_path, monkeypatch)
     # its advantage on a hand-made group: ranks 0..3 of four members -> -1, -1/3, 1/3, 1 (times the scale)
@@ -47,3 +62,31 @@ def test_the_worked_example_trains(tiny_cache, tmp_path, monkeypatch):
     assert all(r["perf/optimizer_steps"] == 4 for r in rows[1:])  # G2RPO's update: one step per trained step
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["method"] == "rank-g2rpo" and config["rank_scale"] == 2.0
+
+
+def test_no_code_outside_methods_names_a_method():
+    """A method owns itself: outside methods/ (and g2rpo.py, whose class is G2RPO) no code names a registered method
+    or reads a method's own flag; the scripts ask the interface instead. Docstrings and comments may name them. The
+    bench and the GPU check, which compare and time named methods, are outside the rule."""
+    import ast
+    import dataclasses
+
+    from lab import flags
+    from sampler import Rollout
+
+    own = {name for method in METHODS for name in flags.own_flags(method)}
+    own -= {f.name for f in dataclasses.fields(Rollout)}  # (a rollout's granularities are its own)
+    files = ["train.py", "evaluate.py", "sampler.py", "advantage.py", "rewards.py", "tools/plan.py",
+             *(os.path.join("lab", f) for f in sorted(os.listdir(os.path.join(ROOT, "lab"))) if f.endswith(".py"))]
+    found = []
+    for path in files:
+        tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        project = {id(node.value) for node in ast.walk(tree)  # wandb's project is named as the project is
+                   if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "tracker_project"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in METHODS and id(node) not in docstrings | project:
+                found.append(f"{path}:{node.lineno} names {node.value!r}")
+            if isinstance(node, ast.Attribute) and node.attr in own:
+                found.append(f"{path}:{node.lineno} reads .{node.attr}")
+    assert not found, found

@@ -157,11 +157,11 @@ def test_the_rollouts_storage_is_fake_too():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    import train
+    from lab.loop import generators
     from sampler import sigma_schedule
 
     args = small_args()
-    gens = train.generators(args.seed, 0, range(2))
+    gens = generators(args.seed, 0, range(2))
     noise = torch.randn(2, 16, 8)  # (B, L, C): any latent shape; the velocity is zeros
     sigmas = sigma_schedule(args.num_steps, args.shift)
     method = flags.method_of(args)
@@ -197,11 +197,11 @@ def test_training_evaluation_costs_at_most_5_percent_of_the_rollouts():
     its forwards over the run at most 5 % of the rollouts' (counted by the rollout's own NFE accounting)."""
     import torch
 
-    import train
+    from lab.loop import eval_items
     from sampler import sigma_schedule
 
     args = flags.parse_args(["--model", "flux"])
-    items = train.eval_items(400, args.eval_prompts, args.eval_seeds)
+    items = eval_items(400, args.eval_prompts, args.eval_seeds)
     chosen = sorted({p for p, _ in items})
     assert len(items) == 96 and len(chosen) == 48 and [p // 100 for p in chosen].count(3) == 12
     assert items[:48] == [(p, 0) for p in chosen]  # seed-major, as the grids expect
@@ -268,7 +268,7 @@ def test_pave_grpos_update_holds_its_sub_steps(pave, fused):
     simulated, notes, real = pave
     assert_agree(simulated, real)
     update, g2rpo = update_row(simulated), update_row(fused[0])
-    assert "4 forwards each (sub-steps)" in update.phase
+    assert "4 forwards each," in update.phase
     assert update.cost.flops == pytest.approx(4 * g2rpo.cost.flops, rel=0.01)
     assert update.cost.peak["activations"] > 2 * g2rpo.cost.peak["activations"]
     assert update.cost.peak["total"] > g2rpo.cost.peak["total"]
@@ -283,7 +283,7 @@ def test_pave_grpo_is_cut_at_its_one_optimizer_step_under_torchrun():
     rows, notes, _ = plan.plan(small_args("--method", "pavegrpo", "--sub-steps", "2", "--gpus", "2", *SERIES,
                                           sde_steps=("0",)), log=lambda m: None)
     update = update_row(rows)
-    assert "2 forwards each (sub-steps)" in update.phase
+    assert "2 forwards each" in update.phase
     preemption = next(n for n in notes if n.startswith("preemption"))
     match = re.search(r"at the next optimizer step of the update \(([\d.]+) s, one of (\d+)\)", preemption)
     assert match and match.group(2) == "1", preemption
@@ -291,24 +291,24 @@ def test_pave_grpo_is_cut_at_its_one_optimizer_step_under_torchrun():
 
 
 def test_the_curriculum_pool_is_a_phase_of_its_own(fused):
-    """--curriculum-pool P, a flag of every method (train.curriculum_prompts): P candidates per prompt encoded at once,
-    their ODE anchors (B P N forwards, no gradients) and their scoring are rows of their own, which the real CPU run
-    agrees with; they count in the iteration's time, the preemption line and the rollouts' forwards, and leave the
-    iteration's own phases as they were."""
-    args = small_args("--curriculum-pool", "3", *SERIES)
+    """AdaGRPO's curriculum on G2RPO (--adagrpo-base g2rpo --curriculum-pool P, the method's `anchor_candidates`): P
+    candidates per prompt encoded at once, their ODE anchors (B P N forwards, no gradients) and their scoring are
+    rows of their own, which the real CPU run agrees with; they count in the iteration's time, the preemption line
+    and the rollouts' forwards, and leave the iteration's own phases as they were."""
+    args = small_args("--method", "adagrpo", "--adagrpo-base", "g2rpo", "--curriculum-pool", "3", *SERIES)
     simulated, notes, _ = plan.plan(args, log=lambda m: None)
     assert_agree(simulated, plan.plan(args, fake=False, log=lambda m: None)[0])
-    pool = [r for r in simulated if r.phase.startswith("curriculum pool")]
-    assert [r.phase.split(",")[0] for r in pool] == ["curriculum pool: encode 6 candidates (3 a prompt)",
-                                                     "curriculum pool: ODE anchors", "curriculum pool: decode + reward"]
+    pool = [r for r in simulated if r.phase.startswith("prompt pool")]
+    assert [r.phase.split(",")[0] for r in pool] == ["prompt pool: encode 6 candidates (3 a prompt)",
+                                                     "prompt pool: ODE anchors", "prompt pool: decode + reward"]
     assert "4 calls, 24 NFE (largest call 6)" in pool[1].phase and pool[1].calls == 4  # B P N = 2 x 3 x 4
     rollout = next(r for r in fused[0] if r.phase.startswith("rollout"))
     per_forward = rollout.cost.flops * rollout.calls / 48  # the rollout's 48 NFE
     assert pool[1].cost.flops * pool[1].calls == pytest.approx(24 * per_forward, rel=0.01)
     assert pool[2].calls == 1 and "batch 6" in pool[2].phase
     assert [r.phase for r in simulated if r not in pool][:5] == [r.phase for r in fused[0]][:5]
-    assert any(n.endswith("(the curriculum pools' included)") for n in notes)
-    assert "next rollout or curriculum pool call" in next(n for n in notes if n.startswith("preemption"))
+    assert any(n.endswith("(the prompt pools' included)") for n in notes)
+    assert "next rollout or prompt pool call" in next(n for n in notes if n.startswith("preemption"))
 
 
 def test_adagrpo_plans_its_pool_and_holds_gradients_over_its_steps(fused):
@@ -316,7 +316,7 @@ def test_adagrpo_plans_its_pool_and_holds_gradients_over_its_steps(fused):
     sub-steps: one forward a start latent, as G2RPO's, but one optimizer step over the trained steps, so the second
     step runs with the first's gradients held."""
     rows = plan.plan(small_args("--method", "adagrpo", *SERIES), log=lambda m: None)[0]
-    assert any(r.phase.startswith("curriculum pool: ODE anchors, 4 calls, 80 NFE") for r in rows)
+    assert any(r.phase.startswith("prompt pool: ODE anchors, 4 calls, 80 NFE") for r in rows)
     update, g2rpo = update_row(rows), update_row(fused[0])
     assert "gradients accumulate across steps" in update.phase
     assert update.cost.flops == pytest.approx(g2rpo.cost.flops, rel=0.01)

@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from methods.base import UpdateContext
+
 from conftest import run_train
 from methods.adagrpo import Curriculum, with_global_advantage
 from methods.pavegrpo import PaveGRPO, sub_step_log_probs
@@ -68,7 +70,8 @@ def test_pave_update_is_the_on_policy_loss_of_every_sub_trajectory():
     start, next_latents, advantages = torch.randn(1, K, 1, 4), torch.randn(1, K, G, 4), torch.randn(1, K, G)
     pave = make(PaveGRPO, eta=0.8, max_grad_norm=100.0, sub_steps=[2, 3], sde_steps=[1, 2])  # (sigma < 1 at both)
     rollout = Rollout(start, next_latents, torch.zeros(1, K, G), None, None, [1, 2], [1], 0, 0)
-    stats = pave.update(net, [weight], torch.optim.SGD([weight], lr=0.1), rollout, advantages, sigmas)
+    stats = pave.update(rollout, advantages, UpdateContext(net, [weight], torch.optim.SGD([weight], lr=0.1), sigmas))
+    forwards = pave.update_nfe(rollout)  # per start latent (1) and trained step (K): 1 + (2 - 1) + (3 - 1)
     ours = float(weight.detach())
     weight.data.fill_(0.3)
     loss = 0.0
@@ -86,7 +89,7 @@ def test_pave_update_is_the_on_policy_loss_of_every_sub_trajectory():
     loss.backward()
     torch.optim.SGD([weight], lr=0.1).step()
     assert abs(ours - float(weight.detach())) < 1e-6 and abs(ours - 0.3) > 1e-5
-    assert stats["optimizer_steps"] == 1 and pave.update_forwards() == 4
+    assert stats["optimizer_steps"] == 1 and forwards == 4 * K
 
 
 def test_the_global_advantage_and_its_two_edge_cases():
@@ -157,14 +160,14 @@ def test_each_method_trains_and_resumes(method, tiny_cache, tmp_path):
 @pytest.mark.parametrize("method", ["flow-grpo", "dancegrpo"])
 def test_the_curriculum_and_global_advantage_plug_into_a_peer(method, tiny_cache, tmp_path):
     out = str(tmp_path / "run")
-    run_train([*SMALL, "--tiny-cache", tiny_cache, "--method", method, "--curriculum-pool", "2", "--global-advantage",
-               "--output-dir", out, "--num-iterations", "1"])
+    run_train([*SMALL, "--tiny-cache", tiny_cache, "--method", "adagrpo", "--adagrpo-base", method,
+               "--curriculum-pool", "2", "--output-dir", out, "--num-iterations", "1"])
     row = read_metrics(out)[1]
     assert math.isfinite(row["losses/loss"]) and row["curriculum/moving_std"] >= 0
     # the pool's anchors are counted: 2 candidates per prompt, N forwards each, beside the method's own rollout
     assert row["perf/nfe"] > 2 * 2 * 8
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["curriculum_pool"] == 2 and config["global_advantage"]
+    assert config["curriculum_pool"] == 2 and config["global_advantage"] and config["adagrpo_base"] == method
 
 
 def test_both_methods_parse_for_every_family():
@@ -174,4 +177,12 @@ def test_both_methods_parse_for_every_family():
         for model in flags.PRESETS:
             args = flags.parse_args(["--model", model, "--method", method])
             flags.check_flags(args, world=1)
-            assert (args.curriculum_pool > 0) == (method == "adagrpo"), (model, method)
+            assert ("curriculum_pool" in vars(args)) == (method == "adagrpo"), (model, method)
+
+
+def test_a_method_flag_outside_its_method_is_refused_in_one_line():
+    """AdaGRPO's curriculum is its own flag now: under another --method it is named with the method that has it."""
+    from lab import flags
+
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--model", "tiny", "--method", "flow-grpo", "--curriculum-pool", "2"])

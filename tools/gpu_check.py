@@ -2,7 +2,7 @@
 
 Every part goes through the trainer's own code: `lab.models.FluxAdapter.velocity` (the one place a transformer is
 called, with its attention kernels and compilation), `lab.models.add_lora` (the trainer's LoRA targets),
-`sampler.rollout_g2rpo`, `g2rpo.G2RPO.update` and `lab.kernels.check_gradient` with `g2rpo.update_loss`.
+`sampler.rollout_g2rpo`, `g2rpo.G2RPO.update` and `lab.kernels.check_gradient` with `G2RPO.check_loss`.
   1. tiny:      `train.py --model tiny --num-iterations 20` on the accelerator, under torchrun on one rank (the
                 many-GPU path: a process group with NCCL and gloo, FSDP2): no skipped optimizer step, and the
                 train and held-out rewards rise.
@@ -55,6 +55,7 @@ import torch
 import tyro
 
 from lab import flags
+from methods.base import UpdateContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # dense, FLOP/s
@@ -271,7 +272,6 @@ def iteration_nfe(scale: Scale) -> int:
 
 def case_gradient(scale: Scale, case: dict) -> dict:
     """Part 2: the update's gradient under the run's kernels against the math kernel's; then one real update step."""
-    from g2rpo import update_loss
     from sampler import sigma_schedule
 
     adapter, cond, params = build(scale, {})
@@ -281,10 +281,10 @@ def case_gradient(scale: Scale, case: dict) -> dict:
                                sigmas, scale.group_size, ETA)
     advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2))  # (B, K, G)
     advantages = advantages.to(adapter.device)
-    loss_fn = update_loss(velocity_fn, rollout, sigmas, g2rpo_method(scale).step, advantages)
+    loss_fn = g2rpo_method(scale).check_loss(velocity_fn, rollout, sigmas)
     check, seconds = timed(lambda: adapter.kernels.check_gradient(loss_fn, params))
-    stats = g2rpo_method(scale).update(velocity_fn, params, torch.optim.AdamW(params, lr=1e-5), rollout, advantages,
-                                       sigmas)
+    stats = g2rpo_method(scale).update(rollout, advantages, UpdateContext(velocity_fn, params,
+                                                                          torch.optim.AdamW(params, lr=1e-5), sigmas))
     return dict(ok=check.ok and stats["skipped_steps"] == 0, message=check.message, cosine=check.cosine,
                 relative_error=check.relative_error, norm=check.norm, exact_norm=check.exact_norm,
                 check_s=seconds, update_grad_norm=stats["grad_norm"], skipped_steps=stats["skipped_steps"],
@@ -294,7 +294,6 @@ def case_gradient(scale: Scale, case: dict) -> dict:
 def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) -> dict:
     """Timed rollout forwards at each max batch and timed update steps (after one untimed call each, which compiles
     when compiling), their TFLOP/s and share of peak, and the seconds per phase of one iteration projected from them."""
-    from g2rpo import update_loss
     from sampler import sigma_schedule
 
     sigmas, device = sigma_schedule(scale.num_steps, SHIFT), adapter.device
@@ -302,8 +301,9 @@ def probe(adapter, velocity_fn, params, scale: Scale, resolution: int, batches) 
     rollout = one_step_rollout(velocity_fn, noise, sigmas, scale.group_size, ETA)
     advantages = torch.randn(1, 1, scale.group_size, generator=torch.Generator().manual_seed(2)).to(device)
     optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: the ratio compares the update's forward with the rollout's
-    update = lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages, sigmas)
-    loss_fn = update_loss(velocity_fn, rollout, sigmas, g2rpo_method(scale).step, advantages)
+    update = lambda: g2rpo_method(scale).update(rollout, advantages, UpdateContext(velocity_fn, params, optimizer,
+                                                                                   sigmas))
+    loss_fn = g2rpo_method(scale).check_loss(velocity_fn, rollout, sigmas)
     update_flops = count_flops(lambda: loss_fn().backward())
     optimizer.zero_grad(set_to_none=True)
     _, update_warmup = timed(update)
@@ -348,8 +348,8 @@ def case_iteration(scale: Scale, case: dict) -> dict:
     rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
     advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     optimizer = torch.optim.AdamW(params, lr=0.0)  # lr 0: every step's ratio compares its forward with the rollout's
-    stats, update_s = timed(lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages,
-                                                               sigmas))
+    stats, update_s = timed(lambda: g2rpo_method(scale).update(rollout, advantages,
+                                                               UpdateContext(velocity_fn, params, optimizer, sigmas)))
     rate = forward_flops * rollout.nfe / rollout_s
     result = dict(resolution=resolution, seconds=dict(rollout=rollout_s, decode_and_reward=reward_s, update=update_s),
                   nfe=rollout.nfe, calls=rollout.calls, peak_gib=peak_gib(), forward_tflop=forward_flops / 1e12,
@@ -470,8 +470,8 @@ def case_fp8_iteration(scale: Scale, case: dict) -> dict:
     rewards, reward_s = timed(lambda: decode_and_reward(adapter, rollout.final_latents, resolution))  # (B, J, K, G)
     advantages = granular_advantages(rewards[..., None], adv_clip_max=5.0)  # (B, K, G)
     optimizer = torch.optim.AdamW(params, lr=0.0)
-    stats, update_s = timed(lambda: g2rpo_method(scale).update(velocity_fn, params, optimizer, rollout, advantages,
-                                                               sigmas))
+    stats, update_s = timed(lambda: g2rpo_method(scale).update(rollout, advantages,
+                                                               UpdateContext(velocity_fn, params, optimizer, sigmas)))
     return dict(resolution=resolution, granularities=list(scale.fp8_granularities), nfe=rollout.nfe,
                 image_only_nfe=rollout.image_only_nfe, calls=rollout.calls, warmup_s=warmup_s,
                 projected_rollout_s=projected,

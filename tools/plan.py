@@ -57,7 +57,7 @@ Run:
     python -m tools.plan --model qwenimage                                       # Qwen-Image, LoRA, 1328^2
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
     python -m tools.plan --model flux --method pavegrpo                          # the sub-steps in the update (4 min)
-    python -m tools.plan --model flux --method adagrpo                           # the curriculum pool's phases
+    python -m tools.plan --model flux --method adagrpo                           # the curriculum's prompt pool
 """
 import contextlib
 import dataclasses
@@ -633,7 +633,7 @@ def _plan(args, fake, log, mesh=None):
             pool, pool_nfe = pool_rows(args, method.anchor_candidates, adapter, policy, reward_fns, resident, encoders,
                                        sigmas, B, fake_mode, fsdp)
             rows += pool
-            log(f"curriculum pool simulated ({time.time() - started:.0f} s)")
+            log(f"prompt pool simulated ({time.time() - started:.0f} s)")
         # 1. text encoding: this rank's prompts, and an evaluation micro-batch
         cond = {}
         encode = measure(lambda: cond.update(adapter.encode(prompts)), resident + encoders, fsdp)
@@ -795,7 +795,7 @@ def checkpoint_cost(args, policy, world) -> str:
 
 
 def preemption_cost(args, rows, policy, optimizer_steps: int) -> str:
-    """How long a SIGTERM's stop takes (run.Run.check_stop): the transformer call (the rollout's, or the curriculum
+    """How long a SIGTERM's stop takes (run.Run.check_stop): the transformer call (the rollout's, or the prompt
     pool's) or the reward batch in flight; in the update, under torchrun (--gpus > 1) the optimizer step in flight
     (Run.stop_between_steps: `optimizer_steps`, the method's count, divide the update), in one process the whole
     update, which runs to its end (its --inner-epochs counted); then one checkpoint's write. Nothing is staged in host
@@ -842,7 +842,7 @@ def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None):
 
 @torch.no_grad()
 def sampled_storage(sample, noise, fake_mode=None):
-    """`sample(velocity_fn, noise)` (a rollout, the curriculum pool's ODE anchors) with a velocity of zeros, from
+    """`sample(velocity_fn, noise)` (a rollout, a prompt pool's ODE anchors) with a velocity of zeros, from
     `noise` made fake under `fake_mode`. Returns what it returns and, per transformer call, (batch, bytes held)."""
     tracker, calls = Tracker(), []
 
