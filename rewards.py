@@ -15,7 +15,8 @@ for the command lines, which make one flag per field. Adding a reward = a factor
 | imagereward   | the `image-reward` package (BLIP backbone)                   | its standardised score            |
 | hpsv3         | transformers Qwen2-VL-7B + HPSv3's MLP head (MizzenAI/HPSv3) | its mu, ~10 for FLUX.1-dev        |
 | unifiedreward | a VLM judge on an OpenAI-compatible server (HTTP, stdlib)    | its 'Final Score', 1-5            |
-| shapes        | none: the tiny world's pixel rule (lab/tiny.py)                  | colour, position, shape in [0, 1] |
+| shapes        | none: the tiny world's pixel rule (lab/tiny.py)              | colour, position, shape in [0, 1] |
+| shapes-strict | none: the tiny world's strict pass (lab/tiny.py)             | 1 or 0 an image: a success rate   |
 | colour-area   | none: the named colour's share of the picture (lab/tiny.py)  | 4 x that share, at most 1; hackable |
 
 Several rewards are combined by the method's advantage. G2RPO's (advantage.py) normalises each within its group

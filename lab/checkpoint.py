@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-# config fields that must match for a resume to continue the same run
 # Configurations written before each method had a file of its own held the algorithm as axis flags, which every
 # method now fixes: these are the values every method ran with, and each method's class names the ones it changed
 # (its `legacy`, methods/base.py). A checkpoint whose axes differ from its method's is refused on resume.

@@ -186,9 +186,10 @@ class TrainArgs:
     """Gradient-norm clip (reference 1.0)."""
     inner_epochs: int = 1
     """Passes of the update over each rollout (PPO's epochs, Flow-GRPO's num_inner_epochs; 1 in the reference and
-    its peers' scripts). A pass after the first scores the rollout under the policy the last one left: its ratios
-    move off 1, and the clip range bounds how far. The update is cheap beside the rollout, so passes are a lever on
-    learning per second."""
+    its peers' scripts). Only the first optimizer step of an iteration scores under the rollout's own policy (ratio
+    exactly 1); every later one, in the first pass already where a method steps more than once (G2RPO: once per
+    trained step), scores under the moved policy, and the clip range bounds how far. A later pass scores the whole
+    rollout again so. The update is cheap beside the rollout, so passes are a lever on learning per second."""
     kl_beta: float = 0.0
     """beta, weight of the KL to the base model per trained step (0 in the reference), each method's own form of it:
     G2RPO's is the step's exact Gaussian KL; Flow-GRPO's (whose 0.01-0.04 on SD3.5 are for its form) is that times
