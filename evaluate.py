@@ -40,7 +40,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import tyro
@@ -105,9 +105,10 @@ class BaseArgs(TrainFlags):
     seeds: Optional[int] = None
     """Noise seeds per prompt, n = prompts x seeds images per model (default 1; tiny: 96, as its training run's last
     evaluation)."""
-    metrics: list[str] = field(default_factory=list)
-    """Metrics, rewards of rewards.py: hps clip pickscore imagereward aesthetic unifiedreward shapes (default:
-    hps clip pickscore imagereward; shapes for tiny)."""
+    metrics: Annotated[list[str], tyro.conf.arg(
+        help=f"Metrics, rewards of rewards.py: {' '.join(rewards.REWARDS)}.",
+        help_behavior_hint="(default: hps clip pickscore imagereward; tiny: shapes shapes-strict)")] = \
+        field(default_factory=list)
     batch_size: Optional[int] = None
     """Images generated per transformer call (default 8; tiny: 64)."""
     output_dir: str = ""

@@ -60,6 +60,11 @@ def preprocess(images, size, mean, std):
     return (x - mean) / std
 
 
+def _brief(err) -> str:
+    """A library's error message as one line of at most 200 characters (some span several lines)."""
+    return " ".join(str(err).split())[:200]
+
+
 def _resolve_file(path: str, what: str, source: str) -> str:
     """A local file, or 'repo_id/filename' fetched from the hub; a clear error when neither works."""
     if os.path.isfile(path):
@@ -74,6 +79,26 @@ def _resolve_file(path: str, what: str, source: str) -> str:
             raise RewardError(f"{what} not found at '{path}' (not a file; hub download failed: "
                               f"{type(err).__name__}). Download it from {source} and pass its path") from None
     raise RewardError(f"{what} not found at '{path}'. Download it from {source} and pass its path")
+
+
+# the path fields that name one file (a local file or hub repo/filename): what it is, and where to get it
+FILES = {"hps_checkpoint": ("the HPS-v2.1 checkpoint", "the hub repo xswu/HPSv2 (file HPS_v2.1_compressed.pt)"),
+         "aesthetic_head": ("the aesthetic MLP head", "github.com/christophschuhmann/improved-aesthetic-predictor"),
+         "hpsv3_checkpoint": ("the HPSv3 checkpoint", "MizzenAI/HPSv3")}
+
+
+def _file(paths, field: str) -> str:
+    return _resolve_file(paths[field], *FILES[field])
+
+
+def check_files(name: str, paths=None):
+    """Find reward `name`'s files (FILES) before any model loads (fetched from the hub when a hub path is given and
+    it is reachable): a RewardError when one is missing, so a run refuses at once, not after loading its models."""
+    entry = REWARDS[name]
+    resolved = {key: default for key, (default, _) in entry.paths.items()} | (paths or {})
+    for key in entry.paths:
+        if key in FILES:
+            _file(resolved, key)
 
 
 def _load_state_dict(path: str):
@@ -122,7 +147,7 @@ def _open_clip_model(name: str, device, dtype, checkpoint: str | None = None):
     try:
         model = open_clip.create_model(name, pretrained=None, load_weights=checkpoint is None, device="cpu")
     except (FileNotFoundError, RuntimeError, OSError) as err:
-        raise RewardError(f"could not load the open_clip model '{name}': {err}") from None
+        raise RewardError(f"could not load the open_clip model '{name}': {_brief(err)}") from None
     if checkpoint is not None:
         model.load_state_dict(_load_state_dict(checkpoint))
     tokenizer = open_clip.get_tokenizer(name)
@@ -143,8 +168,7 @@ def _open_clip_cosine(model, tokenizer, device, dtype):
 
 def hps(device, dtype, batch_size, paths):
     """HPS-v2.1: the HPS state dict replaces every weight of an open_clip ViT-H-14; the score is the cosine."""
-    checkpoint = _resolve_file(paths["hps_checkpoint"], "the HPS-v2.1 checkpoint",
-                               "the hub repo xswu/HPSv2 (file HPS_v2.1_compressed.pt)")
+    checkpoint = _file(paths, "hps_checkpoint")
     model, tokenizer = _open_clip_model(paths["hps_arch"], device, dtype, checkpoint)
     return _batched(_open_clip_cosine(model, tokenizer, device, dtype), batch_size)
 
@@ -165,7 +189,7 @@ def _transformers_clip(path, device, dtype, what):
     try:
         return transformers.CLIPModel.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     except OSError as err:
-        raise RewardError(f"could not load {what} from '{path}': {str(err)[:200]}") from None
+        raise RewardError(f"could not load {what} from '{path}': {_brief(err)}") from None
 
 
 def pickscore(device, dtype, batch_size, paths):
@@ -176,7 +200,7 @@ def pickscore(device, dtype, batch_size, paths):
         processor = transformers.CLIPProcessor.from_pretrained(paths["pickscore_processor"])
     except OSError as err:
         raise RewardError(f"could not load the PickScore processor from '{paths['pickscore_processor']}': "
-                          f"{str(err)[:200]}") from None
+                          f"{_brief(err)}") from None
     ip = processor.image_processor
     tokenize = lambda prompts: processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                                    return_tensors="pt")
@@ -215,8 +239,7 @@ def aesthetic(device, dtype, batch_size, paths):
     from transformers import CLIPImageProcessor
 
     model = _transformers_clip(paths["aesthetic_clip"], device, dtype, "the aesthetic CLIP model")
-    head_path = _resolve_file(paths["aesthetic_head"], "the aesthetic MLP head",
-                              "github.com/christophschuhmann/improved-aesthetic-predictor")
+    head_path = _file(paths, "aesthetic_head")
     head = AestheticHead(model.config.projection_dim)
     head.load_state_dict(_load_state_dict(head_path))
     head = head.to(device).eval().requires_grad_(False)
@@ -264,13 +287,13 @@ def hpsv3(device, dtype, batch_size, paths):
     transformers = _require("transformers", "transformers")
     from safetensors.torch import load_file
 
-    checkpoint = _resolve_file(paths["hpsv3_checkpoint"], "the HPSv3 checkpoint", "MizzenAI/HPSv3")
+    checkpoint = _file(paths, "hpsv3_checkpoint")
     try:
         processor = transformers.AutoProcessor.from_pretrained(paths["hpsv3_base"])
         config = transformers.Qwen2VLConfig.from_pretrained(paths["hpsv3_base"])
     except OSError as err:
         raise RewardError(f"could not load Qwen2-VL's configuration and processor from '{paths['hpsv3_base']}' "
-                          f"(--hpsv3-base): {str(err)[:200]}") from None
+                          f"(--hpsv3-base): {_brief(err)}") from None
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "right"
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|Reward|>"]}, replace_extra_special_tokens=False)
@@ -451,8 +474,9 @@ def _weight(spec: str, text: str) -> float:
     return weight
 
 
-def parse_rewards(specs) -> dict[str, float]:
-    """['hps=1.0', 'clip=0.5'] -> {'hps': 1.0, 'clip': 0.5}; a bare name has weight 1.
+def parse_rewards(specs, weighted=True) -> dict[str, float]:
+    """['hps=1.0', 'clip=0.5'] -> {'hps': 1.0, 'clip': 0.5}; a bare name has weight 1. `weighted`: whether the
+    list takes weights (--rewards), which its messages then suggest, or names alone (--eval-rewards).
 
     A weight may be negative (the reward is then minimised) but not 0 or non-finite; each reward appears once."""
     out = {}
@@ -461,7 +485,8 @@ def parse_rewards(specs) -> dict[str, float]:
         if name not in REWARDS:
             raise _unknown(name)
         if name in out:
-            raise RewardError(f"reward '{name}' is given twice; give each reward once, e.g. {name}=1.0")
+            raise RewardError(f"reward '{name}' is given twice; give each reward once, e.g. "
+                              f"{name + '=1.0' if weighted else name}")
         if sep and not text:
             raise RewardError(f"reward '{spec}' has no weight after '='; write name=weight, e.g. {name}=1.0")
         out[name] = _weight(spec, text) if sep else 1.0

@@ -28,9 +28,20 @@ Run it:
 Deviations from the reference code (numbers of the README's list): 6 (granularities {1, 2, 3}), 7 (per-prompt
 noise and data order), 8 (faults), 9 (held-out evaluation), 11 (attention kernels and the gradient self-check).
 """
-import dataclasses
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a Ctrl-C while torch and the models' libraries import or the flags parse: one line
+    def _interrupted(*_):
+        # nothing is open yet, so leave at once: an exception raised here could unwind through torch's C++ import
+        # code, which then aborts the process
+        print("\ninterrupted; nothing was written", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -71,8 +82,12 @@ def iteration(it, method, h):
     return h.iteration_metrics(method, batch, rollout, stats)
 
 
-def main(args) -> bool:
-    """Train; returns whether a signal stopped the run (its checkpoint written)."""
+HACKING_EXIT = 3  # the exit status of a stop by the reward-hacking watch (--stop-on-hacking); a signal's stop is 0
+
+
+def main(args):
+    """Train. Returns None when the run finished (or was complete already), else the exit status of a stop, its
+    checkpoint written: 0 for a signal's, HACKING_EXIT for the reward-hacking watch's."""
     # ---- distributed: keyed on RANK, so the same script runs on a laptop and on many GPUs ----
     distributed = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if distributed else (0, 1)
@@ -85,21 +100,24 @@ def main(args) -> bool:
         config["model_path"] = os.path.abspath(args.model_path)
     try:
         resume_from = run.open(config) if master else None  # (rank 0 holds the folder's lock)
+        start = checkpoint.read_trainer_state(resume_from)["iteration"] if resume_from else 0
+        # complete: every iteration ran and the final evaluation is recorded (a stop may have come before it)
+        complete = start > args.num_iterations or start == args.num_iterations and master and run.evaluated(start)
         _, _, _, device = setup_distributed(args.dist_timeout_minutes)
         if distributed:
-            shared = [resume_from]
+            shared = [resume_from, start, complete]
             dist.broadcast_object_list(shared, src=0)
-            resume_from = shared[0]
+            resume_from, start, complete = shared
         dtype = torch.bfloat16 if device.type == "cuda" and args.mixed_precision == "bf16" else torch.float32
-        start = checkpoint.read_trainer_state(resume_from)["iteration"] if resume_from else 0
-        if start >= args.num_iterations:
+        if complete:
             log(f"{resume_from} is already at iteration {start} of --num-iterations {args.num_iterations}: "
                 f"the run is complete; pass a larger --num-iterations to extend it")
-            return False
+            return None
 
         # ---- the models, the method, and where the run starts ----
+        # the rewards first: one that cannot load stops the run before the largest load
+        reward_models = load_reward_models(args, device, dtype, reward_weights, log)
         policy = build_policy(args, device, dtype, distributed, log)
-        reward_models = load_reward_models(args, device, dtype, reward_weights)
         warn_long_prompts(args, policy.adapter.pipe, prompts + eval_prompts, log)
         method = method_of(args)
         method.start([(name, p) for name, p in policy.transformer.named_parameters() if p.requires_grad])
@@ -125,11 +143,16 @@ def main(args) -> bool:
         run.close()
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
-    return run.stopped_at is not None
+    if run.stopped_at is None:
+        return None
+    return HACKING_EXIT if run.hacking_stop else 0
 
 
 if __name__ == "__main__":
-    if main(parse_args()):  # stopped by a signal: leave at once, before Python's shutdown restores its handlers
+    args = parse_args()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # parsed: Ctrl-C is the run's to handle from here
+    status = main(args)
+    if status is not None:  # stopped: leave at once, before Python's shutdown restores the default signal handlers
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)

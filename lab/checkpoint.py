@@ -372,6 +372,12 @@ def incompatible(saved: dict, current: dict, defaults: dict, keys):
     if saved.get("model_path") and os.path.isdir(saved["model_path"]) and os.path.isdir(current.get("model_path", "")) \
             and os.path.samefile(saved["model_path"], current["model_path"]):  # the same folder, spelled otherwise
         saved = {**saved, "model_path": current["model_path"]}
+    from methods import METHODS
+
+    for name, cls in METHODS.items():  # a method's flags that every run had before the method owned them
+        for key, off in cls.retired_flags.items():
+            if key in saved and key not in current and json.dumps(saved[key]) != json.dumps(off):
+                return key, saved[key], f"not a flag of --method {current.get('method')} (--method {name}'s now)"
     for key in keys:
         before = saved.get(key, defaults.get(key))
         if json.dumps(before) != json.dumps(current.get(key)):
@@ -476,6 +482,23 @@ def _rotate(output_dir, iteration, keep, log=print):
             continue
         shutil.rmtree(old, ignore_errors=True)
         log(f"removed checkpoint {old} (--keep-checkpoints {keep} keeps the newest {keep}; 0 keeps all)")
+
+
+def clear(output_dir, log=print):
+    """--overwrite: remove the checkpoints a run wrote (`iter_N`, and `iter_N.tmp` being written), nothing else. One
+    holding files its save did not write (an export) is set aside as `iter_N.replaced` instead, with a line saying
+    so; set-aside ones (`.damaged`, `.replaced`) and any other file stay."""
+    folder = os.path.join(output_dir, "checkpoints")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path) or not re.fullmatch(r"iter_\d+(\.tmp)?", name):
+            continue
+        foreign = None if name.endswith(".tmp") else _foreign_files(path)
+        if foreign:
+            log(f"note: --overwrite set {path} aside as {os.path.basename(_set_aside(path, 'replaced'))}: it holds "
+                f"files this run did not write ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})")
+        else:
+            shutil.rmtree(path)
 
 
 def uses_dcp(model, lora) -> bool:

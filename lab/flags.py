@@ -506,8 +506,7 @@ def parse_args(argv=None, base=None):
     weakref.finalize(args, _GIVEN.pop, id(args), None)
     # the preset's held-out rewards leave out those the run trains on (the paper's HPS + CLIP run keeps pickscore)
     if not _given(argv, "eval_rewards"):
-        trained = {spec.partition("=")[0] for spec in args.rewards}
-        args.eval_rewards = [name for name in args.eval_rewards if name not in trained]
+        args.eval_rewards = held_out_less_trained(args.eval_rewards, args.rewards)
     # a --resolution given is a square: it replaces the preset's own height and width (Wan's 832 x 480) unless they
     # are given too
     if _given(argv, "resolution"):
@@ -541,7 +540,15 @@ def changed_from_preset(args) -> list[str]:
     ignored = {"seed", "output_dir", "tiny_cache", "resume", "overwrite", "log_with", "run_name", "tracker_project",
                "dist_timeout_minutes", "max_faults", "checkpoint_every", "max_batch", "reward_batch_size"}
     defaults = preset(args.model, args.method)
+    # the preset's held-out rewards less those this run trains on, as parse_args leaves them when none are given
+    defaults["eval_rewards"] = held_out_less_trained(defaults["eval_rewards"], args.rewards)
     return [flag(k) for k, v in dataclasses.asdict(args).items() if k not in ignored and defaults.get(k) != v]
+
+
+def held_out_less_trained(eval_rewards, rewards) -> list:
+    """The held-out rewards that a run training on `rewards` (name=weight) keeps: those it does not train on."""
+    trained = {spec.partition("=")[0] for spec in rewards}
+    return [name for name in eval_rewards if name not in trained]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -627,8 +634,31 @@ def validate(args, world: int, log=print):
         problem = fp8_problem(world, args.full, args.mixed_precision)
         if problem:
             fail(problem)
-    return (read_prompts(args.prompt_file, "--prompt-file"),
-            read_prompts(args.eval_prompt_file, "--eval-prompt-file"), weights)
+    prompts = (read_prompts(args.prompt_file, "--prompt-file"),
+               read_prompts(args.eval_prompt_file, "--eval-prompt-file"))
+    # the rewards' files, before anything is loaded or written: a trained reward's, or a held-out one named by the
+    # user, must be there; a held-out one of the preset's that is not is left out with a line (an offline node)
+    for name in weights:
+        try:
+            rewards.check_files(name, vars(args))
+        except rewards.RewardError as err:
+            fail(str(err))
+    for name in list(rewards.parse_rewards(args.eval_rewards, weighted=False) if args.eval_rewards else []):
+        try:
+            rewards.check_files(name, vars(args))
+        except rewards.RewardError as err:
+            if given(args, "eval_rewards"):
+                fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
+            log(f"note: the held-out reward {name} of the --model {args.model} preset is left out: {err}")
+            args.eval_rewards = [n for n in args.eval_rewards if n != name]
+    return (*prompts, weights)
+
+
+def given(args, name: str) -> bool:
+    """Whether the command line that made `args` (parse_args) gave the flag of field `name`; True for args made
+    otherwise (then every value counts as the user's)."""
+    names = _GIVEN.get(id(args))
+    return names is None or name in names
 
 
 # the pipeline class each family's model_index.json names (what `folder_family` reads): its adapter's
@@ -745,7 +775,7 @@ def check_flags(args, world: int, log=print):
     except rewards.RewardError as err:
         refuse(str(err))
     try:
-        held_out = rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}
+        held_out = rewards.parse_rewards(args.eval_rewards, weighted=False) if args.eval_rewards else {}
     except rewards.RewardError as err:
         refuse(f"--eval-rewards: {err}")
     trained = sorted(set(held_out) & set(weights))
@@ -754,6 +784,9 @@ def check_flags(args, world: int, log=print):
                f"sees: drop it from one of the two")
     if any(held_out[n] != 1.0 for n in held_out):
         refuse(f"--eval-rewards takes names without weights ({args.eval_rewards}); e.g. --eval-rewards clip pickscore")
+    if args.eval_seeds < 2:
+        log("note: with --eval-seeds 1 the evaluations in training have one image a prompt, so the reward-hacking "
+            "watch has no diversity over seeds there (it needs 2 or more); it watches the other statistics")
     for line in method.notes(sigma_schedule(args.num_steps, args.shift)):
         log(line)
     return weights

@@ -32,7 +32,7 @@ class Harness:
         self.sigmas = sigma_schedule(args.num_steps, args.shift)  # (N + 1,)
         self.weights = torch.tensor(list(reward_models.weights.values()))  # (R,) the --rewards weights
         self.check = None  # the first update's self-checks (FirstUpdateChecks), until an update has run them
-        self.started, self.times, self.metrics = time.time(), {}, {}
+        self.started, self.times, self.metrics, self.notes = time.time(), {}, {}, set()
 
     # ---- 1. prompts and noise, keyed by (seed, iteration, global prompt position): the same on any rank count ----
     def batch(self, it, per_slot=1):
@@ -44,6 +44,12 @@ class Harness:
 
     def generators(self, it, positions):
         return generators(self.args.seed, it, positions)
+
+    def note(self, line: str):
+        """A method's line for the user, said once (rank 0)."""
+        if line not in self.notes:
+            self.notes.add(line)
+            self.run.log(f"note: {line}")
 
     def encode(self, prompts):
         return self.policy.adapter.encode(prompts)
@@ -171,12 +177,15 @@ def first_frame(images):
 
 
 @torch.no_grad()
-def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world, distributed, seeds=None,
-                  check_stop=lambda: None):
+def held_out_eval(h, seeds=None, common=0):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
     with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
     of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
-    and the std of the per-seed means) and up to GRID_IMAGES of this rank's images (on the CPU)."""
+    and the std of the per-seed means; with `common` < seeds also each mean over the first `common` seeds, as
+    eval/common/*: the seeds the run's first and last evaluations share) and up to GRID_IMAGES of this rank's images
+    (on the CPU). `h`: the harness (its check_stop runs before every transformer call)."""
+    args, policy, reward_models, eval_prompts, sigmas = h.args, h.policy, h.reward_models, h.eval_prompts, h.sigmas
+    rank, world, distributed, check_stop = h.rank, h.world, h.distributed, h.run.check_stop
     seeds = seeds or args.eval_seeds
     items = eval_items(len(eval_prompts), args.eval_prompts, seeds)
     per_rank = -(-len(items) // world)
@@ -238,6 +247,9 @@ def held_out_eval(args, policy, reward_models, eval_prompts, sigmas, rank, world
         metrics[f"eval/{kind}_seed_std/{name}"] = float(means.std()) if seeds > 1 else 0.0
         # the standard error of that mean from the images alone: sqrt(var / n) (for a pass rate, sqrt(p (1 - p) / n))
         metrics[f"eval/{kind}_se/{name}"] = max(squares / count - (total / count) ** 2, 0.0) ** 0.5 / count**0.5
+        if 0 < common < seeds:
+            shared_total, shared_count, _ = per_seed[r, :common].sum(0).tolist()
+            metrics[f"eval/common/{key}"] = shared_total / shared_count
     return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
 
 
@@ -251,8 +263,9 @@ def train_loop(h, method, iteration_fn, config, start):
     args, policy, run, reward_models, eval_prompts = h.args, h.policy, h.run, h.reward_models, h.eval_prompts
     # the first and last evaluations, which a run's result is read from, may take more seeds than the rest (the
     # first its own number: a bench of many runs from one base evaluates that base once)
-    held_out = lambda seeds=None: held_out_eval(args, policy, reward_models, eval_prompts, h.sigmas, h.rank, h.world,
-                                                h.distributed, seeds, run.check_stop)
+    first, last = args.first_eval_seeds or args.final_eval_seeds or args.eval_seeds, \
+        args.final_eval_seeds or args.eval_seeds
+    held_out = lambda seeds=None: held_out_eval(h, seeds, common=min(first, last) if seeds in (first, last) else 0)
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                                  policy.adapter.pipeline_class, policy.params, policy.ema,
                                  final=done == args.num_iterations, states=method.state_dict() or None)
@@ -262,7 +275,7 @@ def train_loop(h, method, iteration_fn, config, start):
                                                                          args.eval_seeds)]
     if start == 0:
         try:
-            before, images = held_out(args.first_eval_seeds or args.final_eval_seeds)
+            before, images = held_out(first)
         except Preempted:
             run.log("stopped before the first iteration; nothing to save: rerun the same command plus --resume")
             return
@@ -270,6 +283,21 @@ def train_loop(h, method, iteration_fn, config, start):
         run.write_metrics(0, before)
     else:
         before = run.resume_metrics(start)
+        added = [name for name in reward_models.held_out if f"eval/heldout/{name}" not in before]
+        if added and before:
+            run.log(f"note: the first evaluation has no held-out {', '.join(added)} (added since): the reward-hacking "
+                    f"watch takes its baseline from the next evaluation")
+    if start == args.num_iterations:  # every iteration ran, but a stop came before the final evaluation: take it now
+        try:
+            metrics, images = held_out(last)
+        except Preempted:
+            run.stopped(start, "stopped during the final evaluation; continue with the same command plus --resume")
+            return
+        run.save_grid(images, start, shown, captions)
+        run.write_metrics(start, metrics)
+        closing_lines(h, before, metrics)
+        return
+    baseline = dict(before)  # what the watch compares each evaluation with
     h.check = FirstUpdateChecks(args, policy, h.sigmas, run.log, h.distributed) if args.gradient_check else None
     bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations, disable=not run.master,
                dynamic_ncols=True)
@@ -316,12 +344,14 @@ def train_loop(h, method, iteration_fn, config, start):
         hacked = []
         if (done % args.eval_every == 0 or done == args.num_iterations) and not run.should_stop():
             try:
-                eval_metrics, images = held_out(args.final_eval_seeds if done == args.num_iterations else None)
+                eval_metrics, images = held_out(last if done == args.num_iterations else None)
                 metrics.update(eval_metrics)
                 run.save_grid(images, done, shown, captions)
                 # the reward-hacking watch: the trained rewards' change since the first evaluation against the
                 # held-out ones' and the image statistics'
-                hacked, watched = watch.check(before, eval_metrics, limits)
+                for key in [k for k in eval_metrics if k.startswith("eval/heldout") and k not in baseline]:
+                    baseline[key] = eval_metrics[key]  # a held-out reward added on resume: its first value
+                hacked, watched = watch.check(baseline, eval_metrics, limits)
                 metrics.update(watched)
                 if hacked:
                     bar.clear()
@@ -343,6 +373,7 @@ def train_loop(h, method, iteration_fn, config, start):
             saved = done
         if stop:
             bar.close()
+            run.hacking_stop = hacking
             run.stopped(done, f"stopped after iteration {done}" + (
                 ": the reward-hacking watch fired (--stop-on-hacking); look at samples/, then continue with --resume "
                 "and --no-stop-on-hacking or wider --watch-* limits" if hacking else
@@ -354,12 +385,18 @@ def train_loop(h, method, iteration_fn, config, start):
                          f"nothing was learned (see faults/* in metrics.jsonl)")
     if h.distributed:
         run.check_ranks_agree(policy.params)
-    if run.master and before and metrics:
-        run.summary(before, metrics, reward_models.fns, reward_models.held_out)
-        if args.model == "tiny" and "eval/heldout/shapes-strict" in metrics:  # where the quick start stands
+    closing_lines(h, before, metrics)
+
+
+def closing_lines(h, before, metrics):
+    """The run's result (rank 0): the first evaluation against the last, and on the tiny model where it stands."""
+    if h.run.master and before and metrics:
+        h.run.summary(before, metrics, h.reward_models.fns, h.reward_models.held_out)
+        if h.args.model == "tiny" and "eval/heldout/shapes-strict" in metrics:  # where the quick start stands
             from lab import tiny
 
-            run.log(tiny.quick_start_standing(metrics["eval/heldout/shapes-strict"], flags.changed_from_preset(args)))
+            h.run.log(tiny.quick_start_standing(metrics["eval/heldout/shapes-strict"],
+                                                flags.changed_from_preset(h.args)))
 
 
 RATIO_ROUNDING = 1e-6  # a first-step ratio within this of 1 is the same forward up to rounding

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import rewards
-from lab import fail
+from lab import fail, flags
 from lab.models import ADAPTERS, ModelLoadError, add_lora
 from lab.run import EMA, backend
 
@@ -77,7 +77,7 @@ def build_policy(args, device, dtype, distributed, log) -> Policy:
     return make_policy(args, adapter, device, dtype, distributed)
 
 
-def load_reward_models(args, device, dtype, weights) -> RewardModels:
+def load_reward_models(args, device, dtype, weights, log=print) -> RewardModels:
     """Every reward model of --rewards (rewards.py), by name, with its weight."""
     load = lambda name: rewards.load_reward(name, device, dtype, args.reward_batch_size, vars(args),
                                             frames_every=args.reward_frames)
@@ -85,11 +85,17 @@ def load_reward_models(args, device, dtype, weights) -> RewardModels:
         fns = {name: load(name) for name in weights}
     except rewards.RewardError as err:
         fail(str(err))
-    try:
-        names = rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}  # ("clip=1.0" is "clip")
-        return RewardModels(fns, weights, {name: load(name) for name in names})
-    except rewards.RewardError as err:
-        fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
+    held_out = {}
+    for name in rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}:  # ("clip=1.0" is "clip")
+        try:
+            held_out[name] = load(name)
+        except rewards.RewardError as err:
+            if flags.given(args, "eval_rewards"):
+                fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
+            # the preset's, not the user's: an offline node without its weights trains without it (the watch keeps
+            # the image statistics)
+            log(f"note: the held-out reward {name} of the --model {args.model} preset is left out: {err}")
+    return RewardModels(fns, weights, held_out)
 
 
 def make_policy(args, adapter, device, dtype, distributed, foreach=None, mesh=None) -> Policy:

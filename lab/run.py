@@ -188,6 +188,27 @@ def checked(check_stop, fn):
 WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so that --resume continues that run
 # what a fresh run writes into its folder besides config.json and checkpoints/ (replaced only with --overwrite)
 RUN_FILES = ("metrics.jsonl", "samples", "tensorboard", "wandb", WANDB_ID)
+# what a run writes in each of those, by name: a run replacing another removes these and nothing else (a file of the
+# user's in the same folder stays)
+RUN_WRITES = {".": (r"metrics\.jsonl", re.escape(WANDB_ID)),
+              "samples": (r"eval_iter_\d+\.(png|gif)", r"before_after\.png"),
+              "tensorboard": (r"events\.out\.tfevents\..*",),
+              "wandb": (r"(offline-)?run-.*", r"latest-run", r"debug(-internal|-cli\..*)?\.log")}
+
+
+def clear_run_files(out):
+    """Remove the files a run writes (RUN_WRITES) from `out`, and a folder of them left empty; nothing else."""
+    for folder, patterns in RUN_WRITES.items():
+        path = os.path.join(out, folder)
+        for name in os.listdir(path) if os.path.isdir(path) else []:
+            if any(re.fullmatch(p, name) for p in patterns):
+                full = os.path.join(path, name)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full)
+                else:
+                    os.remove(full)
+        if folder != "." and os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
 
 
 # metrics that an earlier version logged under another name (the tiny world's strict pass, once a part of `shapes`):
@@ -204,7 +225,8 @@ class Run:
         self.metrics_path = os.path.join(self.out, "metrics.jsonl")
         self.lock, self.tracker = None, None
         self.stop_requested, self.faults, self.optimizer_steps, self.warned_skip = False, 0, 0, False
-        self.skipped_steps = 0  # optimizer steps skipped for a fault (an empty MixGRPO window skips none)
+        self.skipped_steps = 0  # optimizer steps skipped for a fault (an update that trains nothing skips none)
+        self.hacking_stop = False  # whether the stop was the reward-hacking watch's (train.py exits 3 then)
         self.cuts_updates = False  # whether a stop cuts an update at its next optimizer step (stop_between_steps)
         self.stopped_at = None  # the iteration whose checkpoint a requested stop wrote
         self._previous_handlers = {}
@@ -214,6 +236,8 @@ class Run:
         """Lock the folder and decide where the run starts (rank 0). Returns the checkpoint to resume or None.
         Nothing else is written until `begin`, so a run that fails to load its models leaves the folder as it was."""
         args = self.args
+        if os.path.lexists(self.out) and not os.path.isdir(self.out):
+            fail(f"--output-dir '{self.out}' is a file, not a folder; choose a folder (or remove the file)")
         if args.resume and not os.path.isdir(self.out):  # before the lock, which would create the folder
             fail(f"--resume but '{self.out}' does not exist, so it holds no complete checkpoint; check --output-dir, "
                  f"or drop --resume to start a new run")
@@ -232,8 +256,8 @@ class Run:
             diff = checkpoint.incompatible(checkpoint.read_trainer_state(resume_from)["config"], config, defaults,
                                            flags.resume_keys(args.method))
             if diff:
-                fail(f"checkpoint {resume_from} is from another configuration ({diff[0]}: {diff[1]} there, "
-                     f"{diff[2]} here); resume with the same settings or use a new --output-dir")
+                fail(f"checkpoint {resume_from} is from another configuration ({flags.flag(diff[0])}: {diff[1]} "
+                     f"there, {diff[2]} here); resume with the same settings or use a new --output-dir")
             if args.log_with == "wandb":
                 self._check_wandb_id()
         elif self.holds_a_run() and not (args.overwrite or args.resume):
@@ -289,15 +313,13 @@ class Run:
         """Once the models have loaded (rank 0): clear a replaced run's files and record the configuration. Only a
         run's own files are cleared: with --overwrite, or after a --resume that found no checkpoint (whose folder held
         this run); `open` refused a folder holding files of that name otherwise."""
-        if fresh and (self.args.overwrite or self.args.resume):  # (`open` refused other files of these names)
-            # a --resume that found no checkpoint keeps checkpoints/ (set-aside damaged ones are never deleted)
-            replaced = RUN_FILES
-            for stale in replaced + (() if self.args.resume else ("checkpoints",)):
-                path = os.path.join(self.out, stale)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
+        if fresh and (self.args.overwrite or self.args.resume):
+            # the replaced run's own files, by name (RUN_WRITES), and with --overwrite its checkpoints; a user's file
+            # beside them, a set-aside checkpoint (.damaged) and an export stay (a --resume that found no checkpoint
+            # keeps checkpoints/ whole)
+            clear_run_files(self.out)
+            if self.args.overwrite:
+                checkpoint.clear(self.out, log=self.log)
         with open(os.path.join(self.out, "config.json"), "w") as f:
             json.dump({**config, "code_version": code_version()}, f, indent=1)
 
@@ -324,8 +346,10 @@ class Run:
             if self.stopped_at is not None:
                 self.log(f"\nsecond signal {signum}: exiting; the checkpoint of iteration {self.stopped_at} is written")
             else:
+                earlier = checkpoint.list_checkpoints(self.out)
                 self.log(f"\nsecond signal {signum}: aborting now; no checkpoint was written for the current "
-                         f"iteration, the previous one is intact")
+                         f"iteration, " + (f"the previous one ({os.path.basename(earlier[-1])}) is intact" if earlier
+                                           else "and none exists yet: a rerun starts afresh"))
             if self.distributed:  # at once: unwinding through a collective save would print every rank's traceback
                 sys.stdout.flush()
                 os._exit(130)
@@ -374,6 +398,15 @@ class Run:
         rows = checkpoint.truncate_metrics(self.metrics_path, iteration, log=self.log) if self.master else []
         first = next((r for r in rows if r.get("iteration") == 0), {})
         return {RENAMED.get(k, k): v for k, v in first.items() if k.startswith("eval/")}
+
+    def evaluated(self, iteration: int) -> bool:
+        """Whether metrics.jsonl records a held-out evaluation at `iteration` (a stop can leave the last one out)."""
+        try:
+            with open(self.metrics_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return False
+        return any(r.get("iteration") == iteration and any(k.startswith("eval/") for k in r) for r in rows)
 
     def write_metrics(self, iteration: int, metrics: dict):
         if not self.master:
@@ -467,23 +500,30 @@ class Run:
         and the before/after grid."""
         first = self.args.first_eval_seeds or self.args.final_eval_seeds or self.args.eval_seeds
         last = self.args.final_eval_seeds or self.args.eval_seeds
-        if first != last:
-            self.log(f"note: the first evaluation scored {first} seeds a prompt and the last {last}: other images, so "
-                     f"the change below mixes their noise with what was learned; evaluate.py scores both on the same")
+        shared = first != last  # then both are compared on the seeds they share, eval/common/*
+        if shared:
+            self.log(f"note: the first evaluation scored {first} seeds a prompt and the last {last}: both are compared "
+                     f"on the {min(first, last)} they share; evaluate.py scores more on the same seeds")
+        # a mean on the shared seeds (when the two differ), else on all; None where an evaluation lacks it
+        # (an evaluation of no more seeds than they share has no eval/common/*: its own means are on them)
+        mean = lambda m, key: m.get(f"eval/common/{key}", m.get(f"eval/{key}")) if shared else m.get(f"eval/{key}")
         parts = []
         for name in reward_names:
-            b, a = before.get(f"eval/reward/{name}"), after.get(f"eval/reward/{name}")
+            b, a = mean(before, f"reward/{name}"), mean(after, f"reward/{name}")
             if b is None or a is None:
+                continue
+            if shared:
+                parts.append(f"{name} {b:.4f} -> {a:.4f}")
                 continue
             sb, sa = before.get(f"eval/reward_seed_std/{name}") or 0, after.get(f"eval/reward_seed_std/{name}") or 0
             parts.append(f"{name} {b:.4f} (seed std {sb:.4f}) -> {a:.4f} (seed std {sa:.4f})")
         if parts:
             self.log("trained reward on the held-out prompts: " + "; ".join(parts))
         for name in held_out_names:
-            b, a = before.get(f"eval/heldout/{name}"), after.get(f"eval/heldout/{name}")
+            b, a = mean(before, f"heldout/{name}"), mean(after, f"heldout/{name}")
             if b is not None and a is not None:
                 se = [m.get(f"eval/heldout_se/{name}") for m in (before, after)]
-                spread = f" (standard errors {se[0]:.3f}, {se[1]:.3f})" if None not in se else ""
+                spread = f" (standard errors {se[0]:.3f}, {se[1]:.3f})" if None not in se and not shared else ""
                 self.log(f"held-out reward {name}, never trained on: {b:.3f} -> {a:.3f}{spread}")
         samples = os.path.join(self.out, "samples")
         first, final = (os.path.join(samples, f"eval_iter_{i:06d}.png") for i in (0, self.args.num_iterations))

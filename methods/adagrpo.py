@@ -139,6 +139,10 @@ class AdaGRPO(Method):
         # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
         "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
 
+    # flags of every method in configurations written before this file owned them: a run of another method with the
+    # curriculum on is refused on resume (it resumes as --method adagrpo --adagrpo-base NAME, a new run)
+    retired_flags = {"curriculum_pool": 0, "global_advantage": False}
+
     def __post_init__(self):
         self.curriculum = Curriculum(self.curriculum_ema)
         self.base = None
@@ -173,6 +177,13 @@ class AdaGRPO(Method):
         would train with) scores closest to the moving mean, which the pools of all ranks move first."""
         pool = self.curriculum_pool
         candidates, positions = data.batch(it, pool)  # slot b's candidates: b * pool .. (b + 1) * pool - 1
+        distinct = len(set(data.prompts))
+        if distinct < 2:
+            data.note("the prompt file holds one prompt, so the curriculum chooses among its noises alone")
+        elif len(candidates) * data.world > distinct:
+            data.note(f"the curriculum's pools ({len(candidates) * data.world} candidates an iteration, "
+                      f"--curriculum-pool {pool}) outnumber the prompt file's {distinct} prompts: a pool repeats "
+                      f"prompts, each with its own noise")
         anchors = data.ode_images(it, candidates, positions)  # (B * P, ...)
         anchor_scores = data.score(anchors, candidates).float().cpu() @ data.weights  # (B * P,)
         self.curriculum.observe(data.ranks.gather(anchor_scores) if data.ranks is not None else anchor_scores)

@@ -23,8 +23,8 @@ and, around the iteration:
                                       each a file of the checkpoint) and restored on --resume; state it moves before
                                       its update is restored by the loop when a stop drops the iteration
     optimizer_steps(K)                the optimizer steps of one update over K trained steps
-    update_nfe(rollout)               forwards with gradients of one update (perf/update_nfe, tools/plan.py); an
-                                      upper bound where the update draws which members train (DanceGRPO)
+    update_nfe(rollout)               forwards with gradients of one update (perf/update_nfe, tools/bench.py's
+                                      table)
     cost_iterations()                 the iterations whose rollouts' mean cost is a run's (tools/bench.py's budget):
                                       the first, or one per position of a moving window
     anchor_candidates                 candidates per trained prompt whose ODE image `prompts` scores (its cost)
@@ -36,7 +36,9 @@ and, around the iteration:
 Class attributes: `per_step_advantages` (each trained step has its own advantage, so --step-credit can move them);
 `recipe` (the run's flags it sets on every --model) and `presets` ({model: values} on top of it, e.g. its
 published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
-configuration written before methods had files of their own held for it, checked on resume).
+configuration written before methods had files of their own held for it, checked on resume); `retired_flags` (its
+own flags that every run had before it owned them, with the value that left them off: a checkpoint of another
+method with another value is refused on resume).
 
 A new method is a file in methods/ and a line in methods/__init__.py's registry; docs/methods.md walks one through.
 
@@ -105,7 +107,7 @@ class Method:
     """beta, the weight of the KL to the base model."""
 
     per_step_advantages = True
-    recipe, presets, per_steps, legacy = {}, {}, {}, {}
+    recipe, presets, per_steps, legacy, retired_flags = {}, {}, {}, {}, {}
     anchor_candidates = 0
 
     def problem(self, num_steps):

@@ -108,6 +108,12 @@ class DanceGRPO(Method):
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
+    def update_nfe(self, rollout):
+        """Each member forwards its own int(fraction K) trained steps: B G int(fraction K) a pass (in one process;
+        under torchrun a rank tops its calls up to the busiest rank's)."""
+        B, K, G = rollout.start_latents.shape[:3]
+        return B * G * int(self.timestep_fraction * K) * self.inner_epochs
+
     def for_planning(self):
         """Every member trains every step: the upper bound of the random share's cost (perf/update_nfe's too)."""
         return dataclasses.replace(self, timestep_fraction=1.0)

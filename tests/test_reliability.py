@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,13 +132,14 @@ def test_output_folder_rules(base, capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     expect_error(capsys, [*base, "--output-dir", str(blocker / "sub")], "is not writable")
+    expect_error(capsys, [*base, "--output-dir", str(blocker)], "is a file, not a folder")
     expect_error(capsys, [*base, "--resume", "--overwrite"], "contradict")
     expect_error(capsys, [*base, "--prompt-file", str(tmp_path)], "is a folder")
     run_train([*base, "--num-iterations", "1"])
     untouched = lambda: {p: os.path.getmtime(p) for p in map(str, out.rglob("*")) if not p.endswith(".lock")}
     before = untouched()
     expect_error(capsys, [*base], "already holds a run; pass --resume")
-    expect_error(capsys, [*base, "--resume", "--group-size", "4"], "another configuration (group_size: 3 there, 4 here)")
+    expect_error(capsys, [*base, "--resume", "--group-size", "4"], "another configuration (--group-size: 3 there, 4 here)")
     assert before == untouched()  # refused runs leave the run's files untouched (each takes the lock in passing)
 
 
@@ -418,8 +420,8 @@ def test_a_folder_of_other_files_is_never_emptied(flux_path, tmp_path, capsys):
             "--output-dir", str(out), *QUICK]
     expect_error(capsys, args, "holds samples, wandb, which a new run would replace; pass --overwrite")
     assert (out / "samples" / "mine.png").exists() and (out / "wandb" / "offline-run-x").is_dir()
-    run_train([*args, "--overwrite"])
-    assert not (out / "samples" / "mine.png").exists() and not (out / "wandb").exists()
+    run_train([*args, "--overwrite"])  # replaces what a run writes there (wandb's run folders), not the user's file
+    assert (out / "samples" / "mine.png").exists() and not (out / "wandb").exists()
 
 
 def test_second_signal_aborts_at_once_keeping_the_last_checkpoint(flux_path, tmp_path):
@@ -634,7 +636,14 @@ def test_the_closing_lines_say_when_the_evaluations_differ(tmp_path):
     args = flags.parse_args(["--model", "tiny", "--first-eval-seeds", "60", "--output-dir", str(tmp_path)])
     Run(args, 0, 1, False, lines.append).summary({"eval/reward/shapes": 0.1730}, {"eval/reward/shapes": 0.1673},
                                                  ["shapes"])
-    assert lines[0].startswith("note: the first evaluation scored 60 seeds a prompt and the last 96: other images")
+    assert lines[0].startswith("note: the first evaluation scored 60 seeds a prompt and the last 96: both are "
+                               "compared on the 60 they share")
+    # the shared seeds' means (eval/common/*) where an evaluation has more seeds than the other, else its own
+    lines.clear()
+    Run(args, 0, 1, False, lines.append).summary({"eval/reward/shapes": 0.1730},
+                                                 {"eval/reward/shapes": 0.1673, "eval/common/reward/shapes": 0.1801},
+                                                 ["shapes"])
+    assert lines[1] == "trained reward on the held-out prompts: shapes 0.1730 -> 0.1801"
 
 
 def test_hpdv2_prompts_lose_their_control_characters():
@@ -679,3 +688,146 @@ def test_a_broken_tracker_package_is_one_line_before_loading(base, tmp_path, cap
     for name in ("tensorboard", "torch.utils.tensorboard"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     expect_error(capsys, [*base, "--log-with", "tensorboard"], "its package does not import (ImportError: a stub")
+
+
+# --- round six: nothing the run did not write is removed; no result is lost to a late stop; the main job offline ---
+def planted(out):
+    """A user's files in every folder a run touches: {path: text}."""
+    files = {"NOTES.txt": "n", "samples/mine.txt": "s", "tensorboard/mine.txt": "t", "wandb/mine.txt": "w",
+             "checkpoints/NOTES.txt": "c", "checkpoints/iter_000009.damaged/x": "d"}
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+    return files
+
+
+def still_there(out, files):
+    for name, text in files.items():
+        with open(os.path.join(out, name)) as f:
+            assert f.read() == text, name
+
+
+def test_no_user_file_is_removed_by_overwrite_resume_or_a_damaged_checkpoint(base, tmp_path, capsys):
+    """The user's files in every folder a run touches survive --overwrite, a --resume that finds no complete
+    checkpoint (a config alone, or a damaged checkpoint), and a resumed run; --overwrite removes the checkpoints the
+    run wrote and sets one holding an export aside, whole."""
+    out = str(tmp_path / "run")
+    args = [*base, "--checkpoint-every", "1", "--keep-checkpoints", "0", "--eval-every", "100"]
+    run_train([*args, "--num-iterations", "2"])
+    files = planted(out)
+    with open(os.path.join(out, "checkpoints", "iter_000001", "export.txt"), "w") as f:
+        f.write("e")  # an export into a checkpoint
+    proc = run_train([*args, "--num-iterations", "1", "--overwrite"])
+    still_there(out, files)
+    assert "set" in proc.stdout and "iter_000001.replaced" in proc.stdout
+    assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("iter_")) == \
+        ["iter_000001", "iter_000001.replaced", "iter_000009.damaged"]  # (the new run's own iter_000001)
+    assert open(os.path.join(out, "checkpoints", "iter_000001.replaced", "export.txt")).read() == "e"
+    with open(os.path.join(out, "checkpoints", "iter_000001", "trainer.pt"), "r+b") as f:
+        f.truncate(100)  # its only checkpoint damaged: --resume starts afresh in the folder
+    proc = run_train([*args, "--num-iterations", "1", "--resume"])
+    assert "starting afresh" in proc.stdout
+    still_there(out, files)
+    shutil.rmtree(os.path.join(out, "checkpoints", "iter_000001"))  # a config and no checkpoint
+    run_train([*args, "--num-iterations", "1", "--resume"])
+    still_there(out, files)
+    run_train([*args, "--num-iterations", "2", "--resume"])  # and a resumed run that writes on
+    still_there(out, files)
+
+
+def test_a_stop_before_the_final_evaluation_is_finished_by_the_resume(base, tmp_path):
+    """A stop after the last iteration's update, or in the final evaluation, saves the last iteration without its
+    evaluation (its metrics row has no eval/*): --resume takes that evaluation and prints the run's result, and
+    only then says the run is complete."""
+    out = str(tmp_path / "run")
+    args = [*base, "--eval-every", "100"]
+    run_train([*args, "--num-iterations", "2"])
+    path = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    rows[-1] = {k: v for k, v in rows[-1].items() if not k.startswith("eval/") and not k.startswith("watch/")}
+    with open(path, "w") as f:  # what the stop leaves
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.remove(os.path.join(out, "samples", "before_after.png"))
+    proc = run_train([*args, "--num-iterations", "2", "--resume"])
+    assert "trained reward on the held-out prompts" in proc.stdout and "before (top) / after" in proc.stdout
+    assert os.path.exists(os.path.join(out, "samples", "before_after.png"))
+    assert any(k.startswith("eval/") for k in json.loads(open(path).readlines()[-1]))
+    assert "the run is complete" in run_train([*args, "--num-iterations", "2", "--resume"]).stdout
+
+
+def test_the_default_quick_start_says_where_it_stands():
+    """The tiny preset as given (its held-out rewards less the one it trains on) changes nothing from the preset,
+    so the closing line compares the run with the quick start's ranges; a changed flag is named, the held-out list
+    it derives is not."""
+    assert flags.changed_from_preset(flags.parse_args(["--model", "tiny"])) == []
+    assert flags.changed_from_preset(flags.parse_args(["--model", "tiny", "--seed", "3"])) == []
+    assert flags.changed_from_preset(flags.parse_args(["--model", "tiny", "--rewards", "colour-area=1.0"])) == \
+        ["--rewards"]
+
+
+def test_the_presets_held_out_rewards_are_left_out_offline_and_named_ones_refused(flux_path, tmp_path, capsys):
+    """--model flux with a local FLUX and no hub: the preset's held-out CLIP and PickScore cannot load, so the run
+    says so in one line each and trains without them; named with --eval-rewards, the same reward is refused."""
+    from conftest import QUICK_ANY
+
+    quick = QUICK_ANY[: QUICK_ANY.index("--eval-rewards")]  # the preset's held-out rewards
+    out = str(tmp_path / "run")
+    args = ["--model", "flux", "--model-path", flux_path, "--output-dir", out, *quick, "--granularities", "1",
+            "--eval-every", "100"]
+    proc = run_train([*args, "--num-iterations", "1"])
+    assert "note: the held-out reward clip of the --model flux preset is left out" in proc.stdout
+    assert "note: the held-out reward pickscore of the --model flux preset is left out" in proc.stdout
+    expect_error(capsys, [*args, "--output-dir", str(tmp_path / "named"), "--num-iterations", "1", "--eval-rewards",
+                          "pickscore"], "--eval-rewards: could not load")
+
+
+def test_a_missing_reward_file_is_refused_before_anything_is_written(base, tmp_path, capsys):
+    """HPSv3 (or HPS) without its file stops at the flag checks: no model loads, no folder is made."""
+    out = tmp_path / "fresh"
+    expect_error(capsys, [*override(base, ["--rewards", "hpsv3=1.0"]), "--output-dir", str(out),
+                          "--hpsv3-checkpoint", str(tmp_path / "none.safetensors")], "the HPSv3 checkpoint not found")
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_flags_parse_is_one_line():
+    """A Ctrl-C in the first second (imports, then the flags): one line, exit status 130, no traceback."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--model", "tiny"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "interrupted; nothing was written", err
+
+
+def test_a_second_signal_before_any_checkpoint_says_none_exists(tmp_path):
+    from lab.run import Run
+
+    lines = []
+    run = Run(flags.parse_args(["--model", "tiny", "--output-dir", str(tmp_path)]), 0, 1, False, lines.append)
+    run.stop_requested = True
+    with pytest.raises(SystemExit):
+        run._on_signal(signal.SIGINT, None)
+    assert lines[-1].endswith("and none exists yet: a rerun starts afresh")
+
+
+def test_adagrpos_pool_is_bounded_and_its_flags_are_its_own(capsys):
+    for pool, words in (("1", "at least 2 candidates"), ("1000000", "at most 1000 candidates")):
+        with pytest.raises(SystemExit):
+            flags.check_flags(flags.parse_args(["--model", "tiny", "--method", "adagrpo", "--curriculum-pool", pool]),
+                              world=1)
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a curriculum flag under a method without a curriculum
+        flags.parse_args(["--model", "tiny", "--curriculum-ema", "0.5"])
+    assert "is a flag of --method adagrpo" in capsys.readouterr().err
+
+
+def test_a_stop_by_the_watch_exits_3(tiny_cache, tmp_path):
+    """--stop-on-hacking's stop has an exit status of its own (train.HACKING_EXIT, 3), unlike a finished run (None:
+    exit 0) and a signal's stop (0): the hacking run of docs/tiny_world.md, whose watch fires at iteration 10."""
+    out = str(tmp_path / "run")
+    argv = ["--model", "tiny", "--tiny-cache", tiny_cache, "--rewards", "colour-area=1.0", "--num-iterations", "10",
+            "--eval-every", "10", "--first-eval-seeds", "8", "--final-eval-seeds", "8", "--stop-on-hacking",
+            "--output-dir", out]
+    assert train.main(train.parse_args(argv)) == train.HACKING_EXIT == 3

@@ -88,6 +88,9 @@ def measure(phase, extra, out):
 def main(argv):
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     phases = argv[: argv.index("--")] if "--" in argv else argv
+    if {"-h", "--help"} & set(phases):
+        print(__doc__)
+        return
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise SystemExit(f"error: unknown phase {unknown[0]!r}; choose from {', '.join(PHASES)}")
