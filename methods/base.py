@@ -263,3 +263,73 @@ def check_sde_steps(sde_steps, num_steps):
     if bad:
         return f"--sde-steps {bad} outside the schedule of --num-steps {num_steps}; use steps in 0..{num_steps - 1}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the methods that score no SDE step share (DiffusionNFT): ODE rollouts that keep only the final latents, and a
+# frozen copy of the trained weights (an old or EMA policy) held as the method's state
+# ---------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=()):
+    """G deterministic (Euler ODE) samples per prompt from their own noise (B, G, ...), only the final latents
+    kept: a `sampler.Rollout` with final latents (B, 1, 1, G, ...) and no SDE step sampled, so its start, next and
+    log-prob parts are empty; its `sde_steps` are the steps of the schedule the update trains at (`trained`)."""
+    from sampler import CountingVelocity, Rollout
+
+    B, G = noise.shape[:2]
+    forward = CountingVelocity(velocity_fn, max_batch)
+    prompt_index = torch.arange(B, device=noise.device).repeat_interleave(G)  # (B*G,)
+    x = noise.flatten(0, 1).float()  # (B*G, ...)
+    for i in range(len(sigmas) - 1):
+        v = forward(x, sigmas[i].expand(x.shape[0]).to(x.device), prompt_index)  # (B*G, ...)
+        x = x + (float(sigmas[i + 1]) - float(sigmas[i])) * v.float()  # Euler, fp32
+    final = x.view(B, 1, 1, G, *noise.shape[2:])  # (B, 1, 1, G, ...)
+    empty = final.new_zeros(B, 0, G, *noise.shape[2:])  # (B, 0, G, ...)
+    return Rollout(start_latents=empty, next_latents=empty, old_log_probs=final.new_zeros(B, 0, G),
+                   final_latents=final, anchor_final=None, sde_steps=list(trained), granularities=[],
+                   nfe=forward.nfe, calls=forward.calls)
+
+
+class FrozenCopy:
+    """A copy of the trained parameters (an old or EMA policy) that the live ones can be swapped with: `with
+    copy.swapped():` the model computes with the copy's weights, and with its own again after (also when a stop
+    interrupts). `blend(eta)` moves the copy: copy <- eta copy + (1 - eta) live. Its state is {name: tensor}."""
+
+    def __init__(self, trained):
+        self.named = list(trained)  # [(name, parameter)]
+        self.tensors = {name: p.detach().clone() for name, p in self.named}
+
+    @torch.no_grad()
+    def swap(self):
+        for name, p in self.named:
+            live = p.detach().clone()
+            p.copy_(self.tensors[name])
+            self.tensors[name].copy_(live)
+
+    def swapped(self):
+        copy = self
+
+        class Swapped:
+            def __enter__(self):
+                copy.swap()
+
+            def __exit__(self, *exc_info):
+                copy.swap()
+        return Swapped()
+
+    @torch.no_grad()
+    def blend(self, eta: float):
+        for name, p in self.named:
+            self.tensors[name].lerp_(p.detach(), 1 - eta)
+
+    @torch.no_grad()
+    def load(self, state):
+        for name, tensor in self.tensors.items():
+            if state[name] is tensor:  # loaded in place already (a sharded checkpoint)
+                continue
+            saved = state[name].to(tensor.device, tensor.dtype)
+            if hasattr(tensor, "device_mesh"):  # FSDP2: this rank's shard of the saved whole tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                saved = distribute_tensor(saved, tensor.device_mesh, tensor.placements)
+            tensor.copy_(saved)

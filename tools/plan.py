@@ -606,14 +606,18 @@ def _plan(args, fake, log, mesh=None):
         policy.optimizer.zero_grad(set_to_none=True)
     encoders = [m for m in adapter.frozen_modules() if m is not pipe.vae]
     on_device = [policy.transformer, pipe.vae, *reward_modules] + ([policy.kl_base] if policy.kl_base else [])
+    # the method, started as train.py starts it; its state (an old policy's copy of the trained weights) is resident
+    method = flags.method_of(args)
+    with fake_mode or contextlib.nullcontext():
+        method.start([(name, p) for name, p in policy.transformer.named_parameters() if p.requires_grad])
+    state = [t for named in method.state_dict().values() for t in named.values()]
     resident = [*on_device, *([] if args.offload_text_encoders else encoders), policy.optimizer,
-                *(policy.ema.shadow if policy.ema else [])]
+                *(policy.ema.shadow if policy.ema else []), *state]
 
     # --- the shapes of one iteration -----------------------------------------------------------------------------
     world = args.gpus
     B = args.global_batch(world) // world  # prompts per rank
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    method = flags.method_of(args)
     steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = prompt_generators(args.seed, 0, range(B))

@@ -1,0 +1,139 @@
+"""The methods that score no SDE step (methods/diffusionnft.py): the loss and its gradient against a restatement of
+the paper's equations in float64, one update against the same restatement on a toy velocity field, the ODE rollout
+against sampler.ode_sample, and the method on the tiny model: 2 iterations with finite rewards, its self-check, and a
+resume that ends with the uninterrupted run's weights and old policy.
+
+Run: python -m pytest -q tests/test_decoupled.py
+"""
+import math
+import os
+
+import torch
+
+from conftest import run_train
+from methods.base import UpdateContext, ode_rollout
+from methods.diffusionnft import DiffusionNFT, nft_loss, optimality
+from sampler import ode_sample, sigma_schedule
+from test_baselines import SMALL, stopped_after_one
+from test_train import read_metrics, transformer_weights
+
+
+def restated_nft(v, v_old, x, s, x0, r, beta):
+    """The paper's loss, written out: v+ = v_old + beta (v - v_old), v- = v_old - beta (v - v_old), regressed in x0
+    space with the adaptive weight 1 / sg(mean |error|), r l(v+) + (1 - r) l(v-), over beta."""
+    terms = []
+    for implicit in (v_old + beta * (v - v_old), v_old - beta * (v - v_old)):
+        error = x - s[:, None] * implicit - x0  # x0_hat - x0
+        terms.append((error**2).mean(1) / error.abs().mean(1).detach())
+    return (r * terms[0] + (1 - r) * terms[1]) / beta
+
+
+def test_the_loss_and_its_gradient_match_the_restatement():
+    g = torch.Generator().manual_seed(0)
+    n, d = 5, 7
+    v = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v_old, x, x0 = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    s, r = torch.rand(n, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+    for beta in (1.0, 0.3):
+        ours, _, _ = nft_loss(v, v_old, x, s, x0, r, beta)
+        theirs = restated_nft(v, v_old, x, s, x0, r, beta)
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+        grad = torch.autograd.grad(ours.sum(), v)[0]
+        torch.testing.assert_close(grad, torch.autograd.grad(theirs.sum(), v)[0], rtol=1e-12, atol=1e-12)
+    # r = 1/2 and v = v_old: the two implicit policies are the old one, and the gradient cancels
+    half = torch.full((n,), 0.5, dtype=torch.float64)
+    at_old = v_old.clone().requires_grad_(True)
+    loss, _, _ = nft_loss(at_old, v_old, x, s, x0, half, 1.0)
+    assert torch.autograd.grad(loss.sum(), at_old)[0].abs().max() < 1e-12
+
+
+def test_the_optimality_probability():
+    A = torch.tensor([-9.0, -5.0, -2.5, 0.0, 2.5, 5.0, 9.0])
+    torch.testing.assert_close(optimality(A, 5.0), torch.tensor([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]))
+
+
+def make(**values):
+    return DiffusionNFT(**{**dict(group_size=3, eta=0.7, clip_range=1e-4, adv_clip_max=5.0, max_grad_norm=100.0,
+                                  max_batch=4, inner_epochs=1, kl_beta=0.0, num_steps=4), **values})
+
+
+def test_the_rollout_is_the_old_policys_ode():
+    """G images a prompt, each the ODE sample of its own noise (sampler.ode_sample's latents), and nothing else."""
+    weight = torch.nn.Parameter(torch.tensor(0.7))
+    net = lambda x, s, i: weight * x + 0.1 * i[:, None].float()  # a prompt-dependent field
+    sigmas, noise = sigma_schedule(4, 3.0), torch.randn(2, 3, 5)
+    rollout = ode_rollout(net, noise, sigmas, max_batch=4)
+    for b in range(2):
+        per_prompt = lambda x, s, i, b=b: net(x, s, torch.full_like(i, b))
+        torch.testing.assert_close(rollout.final_latents[b, 0, 0], ode_sample(per_prompt, noise[b], sigmas))
+    assert rollout.sde_steps == [] and rollout.old_log_probs.shape == (2, 0, 3) and rollout.nfe == 2 * 3 * 4
+    # the method samples with its old policy: the copy's weight, not the live one's
+    method = make()
+    method.start([("weight", weight)])
+    with torch.no_grad():
+        weight.fill_(2.0)
+    ours = method.rollout(net, noise, sigmas, None, [])
+    torch.testing.assert_close(ours.final_latents, rollout.final_latents)
+    assert float(weight.detach()) == 2.0  # swapped back
+
+
+def test_one_update_is_the_restated_loss_then_the_old_policy_moves():
+    """One SGD step on mean over images and steps of the restated loss, with the noise each image draws from its
+    prompt's generator; then theta_old <- eta theta_old + (1 - eta) theta at eta = min(rate i, max)."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.tensor(0.3))
+    net = lambda x, s, i: weight * x - s[:, None] * 0.2
+    sigmas, B, G, K = sigma_schedule(4, 3.0), 2, 3, 4
+    x0 = torch.randn(B, 1, 1, G, 6)
+    rollout = ode_rollout(net, torch.randn(B, G, 6), sigmas, max_batch=64, trained=range(K))
+    rollout.final_latents = x0
+    advantages = torch.randn(B, 1, G) * 3
+    method = make(nft_beta=0.5, nft_decay_rate=0.1, nft_decay_max=0.5)
+    method.start([("weight", weight)])
+    with torch.no_grad():
+        method.old.tensors["weight"].fill_(0.25)  # an old policy apart from the live one
+    ctx = UpdateContext(net, [weight], torch.optim.SGD([weight], lr=0.1), sigmas,
+                        [torch.Generator().manual_seed(b) for b in range(B)], iteration=3)
+    stats = method.update(rollout, advantages, ctx)
+    ours = float(weight.detach())
+    # the restatement
+    weight.data.fill_(0.3)
+    r = optimality(advantages[:, 0], 5.0)
+    gens = [torch.Generator().manual_seed(b) for b in range(B)]
+    losses = []
+    for b in range(B):
+        noise = torch.randn((G, K, 6), generator=gens[b])
+        for m in range(G):
+            for k in range(K):
+                s = sigmas[k].view(1)
+                x = (1 - s) * x0[b, 0, 0, m] + s * noise[m, k]
+                v_old = 0.25 * x - s * 0.2
+                losses.append(restated_nft(net(x[None], s, None), v_old[None], x[None], s, x0[b, 0, 0, m][None],
+                                           r[b, m].view(1), 0.5))
+    torch.stack(losses).mean().backward()
+    torch.optim.SGD([weight], lr=0.1).step()
+    assert abs(ours - float(weight.detach())) < 1e-6 and stats["optimizer_steps"] == 1
+    eta = min(0.1 * 3, 0.5)
+    assert abs(float(method.old.tensors["weight"]) - (eta * 0.25 + (1 - eta) * ours)) < 1e-6
+    assert stats["old_eta"] == eta and math.isfinite(stats["loss"])
+
+
+def test_diffusionnft_trains_checks_itself_and_resumes_exactly(tiny_cache, tmp_path):
+    """Two iterations on the tiny model: finite rewards, the gradient self-check on its own loss, two forwards per
+    image and step counted; the same two with a resume after the first end with the same weights and old policy."""
+    from safetensors.torch import load_file
+
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    common = [*SMALL, "--tiny-cache", tiny_cache, "--method", "diffusionnft", "--group-size", "4"]
+    proc = run_train([*common, "--output-dir", straight, "--num-iterations", "2"])
+    assert "gradient self-check passed" in proc.stdout
+    rows = read_metrics(straight)
+    assert all(math.isfinite(r["train/reward/shapes"]) and r["perf/optimizer_steps"] == 1 for r in rows[1:])
+    assert rows[1]["perf/update_nfe"] == 2 * 2 * 4 * 8 and rows[1]["perf/nfe"] == 2 * 4 * 8  # B G K, B G N
+    stopped_after_one(straight, resumed)
+    assert "resumed from" in run_train([*common, "--output-dir", resumed, "--num-iterations", "2", "--resume"]).stdout
+    a, b = transformer_weights(straight, 2), transformer_weights(resumed, 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    old = [load_file(os.path.join(out, "checkpoints", "iter_000002", "old_policy.safetensors"))
+           for out in (straight, resumed)]
+    assert old[0].keys() == old[1].keys() and all(torch.equal(old[0][k], old[1][k]) for k in old[0])
