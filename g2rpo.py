@@ -87,6 +87,8 @@ class G2RPO(Method):
     which train.py adds to its command line under --method g2rpo (their docstrings are the flags' help).
     """
 
+    label = "G2RPO"
+
     sde_steps: list[int]
     # --- its own flags ---
     granularities: list[int] = field(default_factory=lambda: [1, 2, 3])

@@ -111,6 +111,8 @@ class AdaGRPO(Method):
     method may read), then its own (train.py's under --method adagrpo). Its state: the curriculum's moving mean
     and variance, and the base method's, if any."""
 
+    label = "AdaGRPO"
+
     sde_steps: list[int]
     num_steps: int
     seed: int

@@ -51,6 +51,8 @@ class DanceGRPO(Method):
     """DanceGRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's flags
     under --method dancegrpo)."""
 
+    label = "DanceGRPO"
+
     sde_steps: list[int]
     # --- its own flags ---
     timestep_fraction: float = 0.6

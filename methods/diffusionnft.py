@@ -83,6 +83,8 @@ class DiffusionNFT(Method):
     """DiffusionNFT: the run's flags it reads (methods/base.py's, and --num-steps), then its own (train.py's under
     --method diffusionnft). Its state: the old policy, a copy of the trained weights."""
 
+    label = "DiffusionNFT"
+
     num_steps: int
     # --- its own flags ---
     nft_beta: float = 1.0

@@ -93,6 +93,8 @@ class FlowGRPO(Method):
     """Flow-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
     --method flow-grpo)."""
 
+    label = "Flow-GRPO"
+
     sde_steps: list[int]
     # --- its own flags ---
     member_chunks: int = 2
@@ -148,6 +150,8 @@ class FlowGRPO(Method):
 class FlowGRPOFast(Method):
     """Flow-GRPO-Fast: the run's flags it reads (methods/base.py's, --num-steps and --seed), then its own
     (train.py's under --method flow-grpo-fast)."""
+
+    label = "Flow-GRPO-Fast"
 
     num_steps: int
     seed: int

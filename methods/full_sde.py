@@ -20,6 +20,8 @@ class FullSDE(Method):
     """The run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under --method
     full-sde)."""
 
+    label = "full SDE"
+
     sde_steps: list[int]
     # --- its own flag ---
     step_per_sde_step: bool = True

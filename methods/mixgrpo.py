@@ -47,6 +47,8 @@ class MixGRPO(Method):
     """MixGRPO: the run's flags it reads (methods/base.py's, and --num-steps), then its own (train.py's under
     --method mixgrpo)."""
 
+    label = "MixGRPO"
+
     num_steps: int
     # --- its own flags ---
     window_size: int = 4

@@ -116,6 +116,8 @@ class PaveGRPO(Method):
     """Pave-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
     --method pavegrpo)."""
 
+    label = "Pave-GRPO"
+
     sde_steps: list[int]
     # --- its own flags ---
     sub_steps: list[int] = field(default_factory=lambda: [2, 3])

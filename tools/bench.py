@@ -34,7 +34,7 @@ from g2rpo import G2RPO
 from methods.base import UpdateContext
 from lab import flags
 from lab.run import RENAMED
-from methods import METHODS as METHOD_CLASSES
+from methods import DEFAULT_METHOD, METHODS as METHOD_CLASSES
 from sampler import rollout_g2rpo, rollout_g2rpo_paper, sigma_schedule
 
 
@@ -232,14 +232,10 @@ HEADLINE = {
     "full SDE, same M": ["--method", "full-sde"],  # singular stochastic sampling against whole SDE trajectories
     "G2RPO {1}": ["--granularities", "1"],  # multi-granularity against one granularity
 }
-PEERS = {  # under --peers: each run forwards every member in its update, two to three times a G2RPO run's time
-    "DanceGRPO": ["--method", "dancegrpo"],
-    "Flow-GRPO": ["--method", "flow-grpo"],
-    "Flow-GRPO-Fast": ["--method", "flow-grpo-fast"],
-    "MixGRPO": ["--method", "mixgrpo"],
-    "Pave-GRPO": ["--method", "pavegrpo"],  # the G2RPO series: G2RPO's rollout, its authors' on-policy loss
-    "AdaGRPO": ["--method", "adagrpo"],
-}
+# under --peers: every other registered method at its tiny recipe, by its label (a peer's run forwards every member
+# in its update, two to three times a G2RPO run's time; a new method's file and registry line add its row)
+PEERS = {cls.label: ["--method", name] for name, cls in METHOD_CLASSES.items()
+         if name != DEFAULT_METHOD and ["--method", name] not in HEADLINE.values()}
 G2RPO_ROW = "G2RPO {1,2,3}"
 OTHER_SEEDS = 1000  # the negative control's training seeds start here
 FIRST_EVAL = ["--first-eval-seeds", "1"]  # every run but the first: the base model is evaluated once
