@@ -46,11 +46,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from lab import checkpoint
 from lab.flags import method_of, parse_args, validate, warn_long_prompts
 from lab.loop import Harness, fp8_copy, restore, train_loop
 from lab.policy import build_policy, load_reward_models, setup_distributed
 from lab.run import Run
-from lab import checkpoint
 from methods import step_credit
 
 

@@ -153,15 +153,14 @@ class TrainArgs:
     share of 0..N-2 per member); the windowed ones (flow-grpo-fast, mixgrpo) train their window instead."""
     # --- the method (each method's own flags join these under its --method: methods/) ---
     method: Literal[tuple(METHODS)] = DEFAULT_METHOD
-    """The method: g2rpo; full-sde (G2RPO's rollout replaced by whole SDE trajectories: its ablation); a peer as its
-    authors run it: dancegrpo, flow-grpo, flow-grpo-fast, mixgrpo; G2RPO's authors' follow-ups: pavegrpo, adagrpo
-    (methods/, a file each). A method sets its algorithm's values on every --model, and with --model flux also its
-    published sizes (G, N, resolution, lr, clip range, LoRA); any flag given overrides them. --method NAME --help
-    lists that method's own flags."""
+    """The method, one of the registry's (methods/, a file each; the choices above list them; docs/methods.md
+    compares them): g2rpo, the paper's, by default. A method sets its algorithm's values on every --model, and with
+    --model flux also its published sizes (G, N, resolution, lr, clip range, LoRA); any flag given overrides them.
+    --method NAME --help lists that method's own flags."""
     step_credit: Literal[STEP_CREDITS] = "own"
     """The advantage each trained step gets: own (the method: its own branch's); mean (every step of a member the
     mean of its steps') and rolled (step k gets step k + 1's) destroy the step credit: the bench's controls. For
-    every method whose steps have their own advantages (g2rpo, pavegrpo, adagrpo)."""
+    every method whose steps have their own advantages (g2rpo and its authors' follow-ups)."""
     prompts_per_iteration: int = 0
     """Prompts per iteration over all ranks (reference 16: one per GPU); 0 = one per rank."""
     max_batch: int = 24
