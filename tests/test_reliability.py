@@ -139,7 +139,8 @@ def test_output_folder_rules(base, capsys, tmp_path):
     untouched = lambda: {p: os.path.getmtime(p) for p in map(str, out.rglob("*")) if not p.endswith(".lock")}
     before = untouched()
     expect_error(capsys, [*base], "already holds a run; pass --resume")
-    expect_error(capsys, [*base, "--resume", "--group-size", "4"], "another configuration (--group-size: 3 there, 4 here)")
+    expect_error(capsys, [*base, "--resume", "--group-size", "4"],
+                 "another configuration (--group-size: 3 there, 4 here)")
     assert before == untouched()  # refused runs leave the run's files untouched (each takes the lock in passing)
 
 
@@ -823,11 +824,26 @@ def test_adagrpos_pool_is_bounded_and_its_flags_are_its_own(capsys):
     assert "is a flag of --method adagrpo" in capsys.readouterr().err
 
 
-def test_a_stop_by_the_watch_exits_3(tiny_cache, tmp_path):
+def test_a_stop_by_the_watch_exits_3(base, monkeypatch):
     """--stop-on-hacking's stop has an exit status of its own (train.HACKING_EXIT, 3), unlike a finished run (None:
-    exit 0) and a signal's stop (0): the hacking run of docs/tiny_world.md, whose watch fires at iteration 10."""
-    out = str(tmp_path / "run")
-    argv = ["--model", "tiny", "--tiny-cache", tiny_cache, "--rewards", "colour-area=1.0", "--num-iterations", "10",
-            "--eval-every", "10", "--first-eval-seeds", "8", "--final-eval-seeds", "8", "--stop-on-hacking",
-            "--output-dir", out]
+    exit 0) and a signal's stop (0). Under test is the stop and its status, so the watch's verdict is given: that it
+    fires on a real hacking run is docs/tiny_world.md's measurement, its rule tests/test_watch.py's."""
+    from lab import watch
+
+    verdict = lambda before, after, limits: (["the trained reward rose, a held-out one fell"], {"watch/fired": 1.0})
+    monkeypatch.setattr(watch, "check", verdict)
+    argv = [*base, "--num-iterations", "3", "--eval-every", "1", "--stop-on-hacking"]
     assert train.main(train.parse_args(argv)) == train.HACKING_EXIT == 3
+    assert read_iteration(base[base.index("--output-dir") + 1]) == 1  # stopped at the first evaluation, saved
+
+
+
+def test_notes_for_a_watch_without_diversity_and_a_duplicate_held_out_reward(capsys):
+    lines = []
+    flags.check_flags(flags.parse_args(["--model", "tiny", "--eval-seeds", "1"]), world=1, log=lines.append)
+    assert any("the reward-hacking watch has no diversity over seeds there" in line for line in lines)
+    with pytest.raises(SystemExit):
+        flags.check_flags(flags.parse_args(["--model", "tiny", "--eval-rewards", "shapes-strict", "shapes-strict"]),
+                          world=1)
+    err = capsys.readouterr().err
+    assert "given twice; give each reward once, e.g. shapes-strict" in err and "=1.0" not in err
