@@ -8,7 +8,8 @@ line under that --method (`python train.py --method NAME --help` lists them). On
 
     prompts(it, data) -> Batch        which prompts it trains on (default: the shuffled data order)
     initial_noise(draw, generators)   x_T: one per prompt (B, ...), default, or one per member (B, G, ...)
-    trained_steps(it)                 the SDE steps it trains in iteration `it` ([] for a method with none)
+    trained_steps(it)                 the steps of the schedule it trains in iteration `it`: SDE steps, or a method
+                                      that samples none (DiffusionNFT) its training timesteps; [] trains nothing
     rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn) -> sampler.Rollout
     advantages(scores (B, J, K, G, R), weights (R,), ranks) -> (B, K or 1, G)
     update(rollout, advantages (B, K, G), ctx: UpdateContext) -> statistics (`update_stats`)
@@ -23,8 +24,7 @@ and, around the iteration:
                                       each a file of the checkpoint) and restored on --resume; state it moves before
                                       its update is restored by the loop when a stop drops the iteration
     optimizer_steps(K)                the optimizer steps of one update over K trained steps
-    update_nfe(rollout)               forwards with gradients of one update (perf/update_nfe, tools/bench.py's
-                                      table)
+    update_nfe(rollout)               the forwards of one update (perf/update_nfe, tools/bench.py's table)
     cost_iterations()                 the iterations whose rollouts' mean cost is a run's (tools/bench.py's budget):
                                       the first, or one per position of a moving window
     anchor_candidates                 candidates per trained prompt whose ODE image `prompts` scores (its cost)
@@ -34,12 +34,14 @@ and, around the iteration:
                                       one-line reason why there is none
 
 Class attributes: `label` (its name in tables: the bench's rows); `per_step_advantages` (each trained step has its
-own advantage, so --step-credit can move them);
-`recipe` (the run's flags it sets on every --model) and `presets` ({model: values} on top of it, e.g. its
-published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
+own advantage, so --step-credit can move them); `recipe` (the run's flags it sets on every --model) and `presets`
+({model: values} on top of it, e.g. its published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
 configuration written before methods had files of their own held for it, checked on resume); `retired_flags` (its
 own flags that every run had before it owned them, with the value that left them off: a checkpoint of another
 method with another value is refused on resume).
+
+A method that scores no SDE step rolls out with `ode_rollout` (final latents only, no log-probability) and keeps
+its old or EMA policy as a `FrozenCopy` of the trained weights, its state (methods/diffusionnft.py).
 
 A new method is a file in methods/ and a line in methods/__init__.py's registry; docs/methods.md walks one through.
 
