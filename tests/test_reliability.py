@@ -847,3 +847,26 @@ def test_notes_for_a_watch_without_diversity_and_a_duplicate_held_out_reward(cap
                           world=1)
     err = capsys.readouterr().err
     assert "given twice; give each reward once, e.g. shapes-strict" in err and "=1.0" not in err
+
+
+def test_a_held_out_reward_added_on_resume_gets_a_baseline(base, tmp_path):
+    """--resume with a held-out reward the first evaluation did not score: a note, and the watch compares it from
+    the next evaluation on (its first value is the baseline) rather than silently not at all."""
+    out = base[base.index("--output-dir") + 1]
+    run_train([*base, "--num-iterations", "1", "--checkpoint-every", "1"])
+    proc = run_train([*override(base, ["--eval-rewards", "shapes-strict"]), "--num-iterations", "3",
+                      "--checkpoint-every", "1", "--eval-every", "1", "--resume"])
+    assert "the first evaluation has no held-out shapes-strict (added since)" in proc.stdout
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows[-1]["watch/heldout_z/shapes-strict"] == rows[-1]["watch/heldout_z/shapes-strict"]  # not nan
+
+
+def test_the_tools_help_lines(capsys):
+    from tools import preemption
+
+    preemption.main(["--help"])
+    assert "Seconds from a scheduler's SIGTERM to a verified checkpoint" in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--help"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    metrics = " ".join(proc.stdout.split())
+    assert "shapes-strict colour-area" in metrics and metrics.count("(default: hps clip pickscore imagereward") == 1
