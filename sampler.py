@@ -181,10 +181,12 @@ def prompt_noise(generators, shape, device):
 
 
 @torch.no_grad()
-def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64):
-    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): x0, in `max_batch` rows a forward."""
+def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64, prompt_index=None):
+    """Deterministic sampling (eta = 0) of every sample of `noise` (B, ...): x0, in `max_batch` rows a forward.
+    prompt_index (B,): each sample's prompt (default: sample b is prompt b)."""
     counter = CountingVelocity(velocity_fn, max_batch)
-    prompt_index = torch.arange(noise.shape[0], device=noise.device)
+    if prompt_index is None:
+        prompt_index = torch.arange(noise.shape[0], device=noise.device)
     latents = noise.float()
     for i in range(len(sigmas) - 1):
         velocity = counter(latents, sigmas[i].expand(noise.shape[0]).to(noise.device), prompt_index)

@@ -143,14 +143,14 @@ class TrainArgs:
     shift: float = 3.0
     """SD3 time shift of the sigma schedule (reference 3)."""
     eta: float = 0.7
-    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; DanceGRPO 0.3, Flow-GRPO 0.9,
-    Flow-GRPO-Fast 0.8, which each peer sets)."""
+    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; a method's recipe sets its
+    authors' own, docs/methods.md)."""
     group_size: int = 12
     """G, samples per prompt over which rewards are normalised (reference 12; >= 2)."""
     sde_steps: list[int] = field(default_factory=lambda: list(range(8)))
-    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half). The
-    whole-trajectory methods train these steps of every trajectory (full-sde; Flow-GRPO 0..N-2; DanceGRPO a random
-    share of 0..N-2 per member); the windowed ones (flow-grpo-fast, mixgrpo) train their window instead."""
+    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half). A method of
+    whole trajectories trains these steps of every trajectory (its recipe may set them); one with a window of its
+    own trains that instead (docs/methods.md)."""
     # --- the method (each method's own flags join these under its --method: methods/) ---
     method: Literal[tuple(METHODS)] = DEFAULT_METHOD
     """The method, one of the registry's (methods/, a file each; the choices above list them; docs/methods.md
@@ -184,16 +184,15 @@ class TrainArgs:
     max_grad_norm: float = 1.0
     """Gradient-norm clip (reference 1.0)."""
     inner_epochs: int = 1
-    """Passes of the update over each rollout (PPO's epochs, Flow-GRPO's num_inner_epochs; 1 in the reference and
-    its peers' scripts). Only the first optimizer step of an iteration scores under the rollout's own policy (ratio
-    exactly 1); every later one, in the first pass already where a method steps more than once (G2RPO: once per
-    trained step), scores under the moved policy, and the clip range bounds how far. A later pass scores the whole
-    rollout again so. The update is cheap beside the rollout, so passes are a lever on learning per second."""
+    """Passes of the update over each rollout (PPO's epochs; 1 in the reference and its peers' scripts). Only the
+    first optimizer step of an iteration scores under the rollout's own policy (ratio exactly 1); every later one,
+    in the first pass already where a method steps more than once (G2RPO: once per trained step), scores under the
+    moved policy, and the clip range bounds how far. A later pass scores the whole rollout again so. The update is
+    cheap beside the rollout, so passes are a lever on learning per second."""
     kl_beta: float = 0.0
-    """beta, weight of the KL to the base model per trained step (0 in the reference), each method's own form of it:
-    G2RPO's is the step's exact Gaussian KL; Flow-GRPO's (whose 0.01-0.04 on SD3.5 are for its form) is that times
-    -dt, so the same pull takes a beta 6-46x smaller here at N 16. LoRA: the base is the model with its adapter off;
-    full fine-tune: a frozen copy (twice the weights)."""
+    """beta, weight of the KL to the base model per trained step (0 in the reference), each method's own form of it
+    (its `kl`, whose docstring says how its beta compares): G2RPO's is the step's exact Gaussian KL. LoRA: the base
+    is the model with its adapter off; full fine-tune: a frozen copy (twice the weights)."""
     ema_decay: float = 0.0
     """Decay of an EMA of the trained weights used for evaluation and saved in checkpoints (0 = off; typ. 0.9-0.995)."""
     ema_every: int = 1
@@ -646,11 +645,18 @@ def validate(args, world: int, log=print):
         try:
             rewards.check_files(name, vars(args))
         except rewards.RewardError as err:
-            if given(args, "eval_rewards"):
-                fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
-            log(f"note: the held-out reward {name} of the --model {args.model} preset is left out: {err}")
-            args.eval_rewards = [n for n in args.eval_rewards if n != name]
+            leave_out_held_out(args, name, err, log)
     return (*prompts, weights)
+
+
+def leave_out_held_out(args, name: str, err, log=print):
+    """A held-out reward that cannot be had (its file, or its model offline): refused in one line when the user
+    named it in --eval-rewards; the preset's is left out of args.eval_rewards with a line, and the run goes on
+    without it (the watch keeps its image statistics)."""
+    if given(args, "eval_rewards"):
+        fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
+    log(f"note: the held-out reward {name} of the --model {args.model} preset is left out: {err}")
+    args.eval_rewards = [n for n in args.eval_rewards if n != name]
 
 
 def given(args, name: str) -> bool:

@@ -380,7 +380,7 @@ def train_loop(h, method, iteration_fn, config, start):
                 "; continue with the same command plus --resume"))
             return
     bar.close()
-    if run.optimizer_steps == 0 and run.skipped_steps:  # (MixGRPO's empty window trains nothing, and is no fault)
+    if run.optimizer_steps == 0 and run.skipped_steps:  # (an update that trains nothing is no fault)
         raise SystemExit(f"error: no optimizer step succeeded in iterations {start}..{args.num_iterations}; "
                          f"nothing was learned (see faults/* in metrics.jsonl)")
     if h.distributed:
@@ -433,7 +433,7 @@ class FirstUpdateChecks:
         if "first_ratio_error" not in stats:  # a method whose update takes no ratio
             return
         error, clip = stats["first_ratio_error"], self.args.clip_range
-        # -1: no member of this rank scored the first step (a rank's share of DanceGRPO's random steps can be empty)
+        # -1: no member of this rank scored the first step (its share of randomly drawn steps can be empty)
         worst = all_max(-1.0 if math.isnan(error) else error, self.distributed)
         cause = ("the rollout's forwards at the trained steps differ from the update's (another attention kernel, or "
                  "an FP8 forward where the policy's belongs)")

@@ -89,12 +89,8 @@ def load_reward_models(args, device, dtype, weights, log=print) -> RewardModels:
     for name in rewards.parse_rewards(args.eval_rewards) if args.eval_rewards else {}:  # ("clip=1.0" is "clip")
         try:
             held_out[name] = load(name)
-        except rewards.RewardError as err:
-            if flags.given(args, "eval_rewards"):
-                fail(f"--eval-rewards: {err}; or leave it out of --eval-rewards")
-            # the preset's, not the user's: an offline node without its weights trains without it (the watch keeps
-            # the image statistics)
-            log(f"note: the held-out reward {name} of the --model {args.model} preset is left out: {err}")
+        except rewards.RewardError as err:  # (an offline node without the preset's weights trains without it)
+            flags.leave_out_held_out(args, name, err, log)
     return RewardModels(fns, weights, held_out)
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lab import checkpoint
 from lab import fail, flags
+from methods.base import FrozenCopy
 
 GRID_IMAGES = 24  # held-out samples in a grid: train.py keeps each evaluation's first this many, across its batches
 
@@ -56,8 +57,8 @@ def all_mean(values: dict, distributed: bool) -> dict:
 
 
 def all_gather(tensor: torch.Tensor, distributed: bool) -> torch.Tensor:
-    """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order (Flow-GRPO's global
-    advantage std needs every reward of the iteration)."""
+    """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order (an advantage over
+    every rank's rewards needs them)."""
     if not distributed:
         return tensor
     parts = [torch.empty_like(tensor, device="cpu") for _ in range(dist.get_world_size())]  # through gloo
@@ -115,50 +116,34 @@ def full_tensor(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-class EMA:
+class EMA(FrozenCopy):
     """Exponential moving average of the trained parameters: ema <- decay * ema + (1 - decay) * param, at every
     `every`-th iteration that took an optimizer step (train.py skips it after a skipped update: averaging in weights
-    that did not move would only pull the average back toward them). Used for the held-out evaluation and saved
-    beside the weights."""
+    that did not move would only pull the average back toward them). Used for the held-out evaluation (`swap`) and
+    saved beside the weights: a `methods.base.FrozenCopy` of them, moved by a fixed decay."""
 
     def __init__(self, named_params, decay: float, every: int):
-        self.named = list(named_params)
+        super().__init__(named_params)
         self.decay, self.every = decay, every
-        self.shadow = [p.detach().clone() for _, p in self.named]
 
-    @torch.no_grad()
+    @property
+    def shadow(self):
+        return list(self.copies.values())
+
     def update(self, iteration: int):
         if iteration % self.every == 0:
-            for e, (_, p) in zip(self.shadow, self.named):
-                e.lerp_(p.detach(), 1 - self.decay)
-
-    @torch.no_grad()
-    def swap(self):
-        """Exchange the live and the averaged weights (call twice to restore)."""
-        for e, (_, p) in zip(self.shadow, self.named):
-            live = p.detach().clone()
-            p.copy_(e)
-            e.copy_(live)
+            self.blend(self.decay)
 
     def state_dict(self):
-        return {name: full_tensor(e).detach().cpu().contiguous() for e, (name, _) in zip(self.shadow, self.named)}
+        return {name: full_tensor(e).detach().cpu().contiguous() for name, e in self.copies.items()}
 
     def tensors(self):
         """The averaged weights as they are held ({name: tensor}; FSDP2: this rank's shards), for a sharded
         checkpoint, which saves and loads them in place."""
-        return {name: e for e, (name, _) in zip(self.shadow, self.named)}
+        return self.copies
 
-    @torch.no_grad()
     def load_state_dict(self, state):
-        for e, (name, _) in zip(self.shadow, self.named):
-            if state[name] is e:  # loaded in place already (a sharded checkpoint)
-                continue
-            saved = state[name].to(e.device, e.dtype)
-            if hasattr(e, "full_tensor"):  # FSDP2: keep this rank's shard of the saved whole tensor
-                from torch.distributed.tensor import distribute_tensor
-
-                saved = distribute_tensor(saved, e.device_mesh, e.placements)
-            e.copy_(saved)
+        self.load(state)
 
 
 class Preempted(Exception):

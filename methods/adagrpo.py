@@ -43,10 +43,8 @@ from typing import Literal
 
 import torch
 
-from g2rpo import G2RPO
 from methods import REGISTRY
 from methods.base import Batch, Method
-from methods.pavegrpo import series_update
 
 BASES = ("own", *(name for name in REGISTRY if name != "adagrpo"))
 
@@ -130,7 +128,8 @@ class AdaGRPO(Method):
     positives and negatives each normalised to sum +-1 (the authors' on)."""
     adagrpo_base: Literal[BASES] = "own"
     """The method the curriculum and the cross-level advantage plug into: own (G2RPO's rollout with the authors'
-    on-policy loss), or another --method's rollout, advantage and update, its own flags at their defaults."""
+    on-policy loss: --method pavegrpo without sub-steps), or another --method's rollout, advantage and update, its
+    own flags at their defaults."""
 
     # scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
     presets = {
@@ -147,13 +146,14 @@ class AdaGRPO(Method):
 
     def __post_init__(self):
         self.curriculum = Curriculum(self.curriculum_ema)
-        self.base = None
-        if self.adagrpo_base != "own":  # the base method, from the run's flags it reads and its own defaults
-            from methods import METHODS
+        # the method the curriculum plugs into, from the run's flags it reads and its own defaults; "own" is the
+        # authors' AdaGRPO: G2RPO's rollout with the series' update without sub-steps, Pave-GRPO's with none
+        from methods import METHODS
 
-            cls = METHODS[self.adagrpo_base]
-            self.base = cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
-                               if f.name in self.__dataclass_fields__})
+        cls = METHODS["pavegrpo" if self.adagrpo_base == "own" else self.adagrpo_base]
+        self.base = cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
+                           if f.name in self.__dataclass_fields__},
+                        **({"sub_steps": []} if self.adagrpo_base == "own" else {}))
 
     def problem(self, num_steps):
         if self.curriculum_pool < 2:
@@ -164,10 +164,10 @@ class AdaGRPO(Method):
                     f"--num-steps forwards; AdaGRPO 10)")
         if not 0 <= self.curriculum_ema < 1:
             return f"--curriculum-ema {self.curriculum_ema}: must be in [0, 1) (AdaGRPO 0.8)"
-        return G2RPO.problem(self, num_steps) if self.base is None else self.base.problem(num_steps)
+        return self.base.problem(num_steps)
 
     def notes(self, sigmas):
-        return G2RPO.notes(self, sigmas) if self.base is None else self.base.notes(sigmas)
+        return self.base.notes(sigmas)
 
     # ---- (a) the curriculum: which prompts this iteration trains on ----
     @property
@@ -200,74 +200,61 @@ class AdaGRPO(Method):
     def state_dict(self):
         """The moving mean and variance (nan before the first pool), as curriculum.safetensors."""
         mean_var = [float("nan")] * 2 if self.curriculum.mean is None else [self.curriculum.mean, self.curriculum.var]
-        return {"curriculum": {"mean_var": torch.tensor(mean_var, dtype=torch.float64)},
-                **(self.base.state_dict() if self.base is not None else {})}
+        return {"curriculum": {"mean_var": torch.tensor(mean_var, dtype=torch.float64)}, **self.base.state_dict()}
 
     def load_state_dict(self, state):
         if "curriculum" in state:
             mean, var = state["curriculum"]["mean_var"].tolist()
             self.curriculum.mean, self.curriculum.var = (None, None) if mean != mean else (mean, var)
-        if self.base is not None:
-            self.base.load_state_dict(state)
+        self.base.load_state_dict(state)
 
     # ---- (b) the cross-level advantage, added to the method's ----
     def advantages(self, scores, weights, ranks=None):
-        advantages = G2RPO.advantages(self, scores, weights, ranks) if self.base is None else \
-            self.base.advantages(scores, weights, ranks)
+        advantages = self.base.advantages(scores, weights, ranks)
         if not self.global_advantage:
             return advantages
         return with_global_advantage(advantages, scores, weights, self.curriculum, self.adv_clip_max)
 
-    # ---- the rest: G2RPO's rollout and the authors' loss, or the base method's ----
+    # ---- the rest: the base method's (own: G2RPO's rollout and the authors' loss) ----
     @property
     def per_step_advantages(self):
-        return True if self.base is None else self.base.per_step_advantages
+        return self.base.per_step_advantages
 
     def start(self, trained):
-        if self.base is not None:
-            self.base.start(trained)
+        self.base.start(trained)
 
     def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        return G2RPO.step(self, latents, velocity, sigmas, i, noise, next_latents) if self.base is None else \
-            self.base.step(latents, velocity, sigmas, i, noise, next_latents)
+        return self.base.step(latents, velocity, sigmas, i, noise, next_latents)
 
     def kl(self, velocity, base_velocity, sigmas, i):
-        return G2RPO.kl(self, velocity, base_velocity, sigmas, i) if self.base is None else \
-            self.base.kl(velocity, base_velocity, sigmas, i)
+        return self.base.kl(velocity, base_velocity, sigmas, i)
 
     def initial_noise(self, draw, generators):
-        return draw(generators) if self.base is None else self.base.initial_noise(draw, generators)
+        return self.base.initial_noise(draw, generators)
 
     def trained_steps(self, iteration):
-        return self.sde_steps if self.base is None else self.base.trained_steps(iteration)
+        return self.base.trained_steps(iteration)
 
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
-        return (G2RPO.rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn) if self.base is None
-                else self.base.rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn))
+        return self.base.rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn)
 
     def optimizer_steps(self, num_trained_steps):
         """One an inner epoch (the authors' loss), or the base method's."""
-        return self.inner_epochs if self.base is None else self.base.optimizer_steps(num_trained_steps)
+        return self.base.optimizer_steps(num_trained_steps)
 
     def update_nfe(self, rollout):
-        return Method.update_nfe(self, rollout) if self.base is None else self.base.update_nfe(rollout)
+        return self.base.update_nfe(rollout)
 
     def cost_iterations(self):
-        return [0] if self.base is None else self.base.cost_iterations()
+        return self.base.cost_iterations()
 
     def for_planning(self):
-        if self.base is None:
-            return self
         planned = copy.copy(self)
         planned.base = self.base.for_planning()
         return planned
 
     def check_loss(self, velocity_fn, rollout, sigmas):
-        return Method.check_loss(self, velocity_fn, rollout, sigmas) if self.base is None else \
-            self.base.check_loss(velocity_fn, rollout, sigmas)
+        return self.base.check_loss(velocity_fn, rollout, sigmas)
 
     def update(self, rollout, advantages, ctx):
-        if self.base is not None:
-            return self.base.update(rollout, advantages, ctx)
-        return series_update(self, ctx, rollout, advantages, [])
-
+        return self.base.update(rollout, advantages, ctx)

@@ -35,8 +35,9 @@ and, around the iteration:
 
 Class attributes: `label` (its name in tables: the bench's rows); `per_step_advantages` (each trained step has its
 own advantage, so --step-credit can move them); `recipe` (the run's flags it sets on every --model) and `presets`
-({model: values} on top of it, e.g. its published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
-configuration written before methods had files of their own held for it, checked on resume); `retired_flags` (its
+({model: values} on top of it, e.g. its published FLUX sizes); `per_steps` (values that follow the run's N, as
+functions of N); `legacy` (the axes a configuration written before methods had files of their own held for it,
+checked on resume); `retired_flags` (its
 own flags that every run had before it owned them, with the value that left them off: a checkpoint of another
 method with another value is refused on resume).
 
@@ -48,6 +49,7 @@ A new method is a file in methods/ and a line in methods/__init__.py's registry;
 Shapes: B prompts, G group size, K trained steps, S start latents per prompt and step (1: G2RPO's anchor; G: one
 per member), (...) a latent.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -278,15 +280,12 @@ def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=()):
     """G deterministic (Euler ODE) samples per prompt from their own noise (B, G, ...), only the final latents
     kept: a `sampler.Rollout` with final latents (B, 1, 1, G, ...) and no SDE step sampled, so its start, next and
     log-prob parts are empty; its `sde_steps` are the steps of the schedule the update trains at (`trained`)."""
-    from sampler import CountingVelocity, Rollout
+    from sampler import CountingVelocity, Rollout, ode_sample
 
     B, G = noise.shape[:2]
-    forward = CountingVelocity(velocity_fn, max_batch)
+    forward = CountingVelocity(velocity_fn, max_batch)  # (counts the forwards)
     prompt_index = torch.arange(B, device=noise.device).repeat_interleave(G)  # (B*G,)
-    x = noise.flatten(0, 1).float()  # (B*G, ...)
-    for i in range(len(sigmas) - 1):
-        v = forward(x, sigmas[i].expand(x.shape[0]).to(x.device), prompt_index)  # (B*G, ...)
-        x = x + (float(sigmas[i + 1]) - float(sigmas[i])) * v.float()  # Euler, fp32
+    x = ode_sample(forward, noise.flatten(0, 1), sigmas, max_batch=max_batch, prompt_index=prompt_index)  # (B*G, ...)
     final = x.view(B, 1, 1, G, *noise.shape[2:])  # (B, 1, 1, G, ...)
     empty = final.new_zeros(B, 0, G, *noise.shape[2:])  # (B, 0, G, ...)
     return Rollout(start_latents=empty, next_latents=empty, old_log_probs=final.new_zeros(B, 0, G),
@@ -295,40 +294,39 @@ def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=()):
 
 
 class FrozenCopy:
-    """A copy of the trained parameters (an old or EMA policy) that the live ones can be swapped with: `with
-    copy.swapped():` the model computes with the copy's weights, and with its own again after (also when a stop
-    interrupts). `blend(eta)` moves the copy: copy <- eta copy + (1 - eta) live. Its state is {name: tensor}."""
+    """A copy of the trained parameters (an old or EMA policy; lab.run.EMA is one) that the live ones can be swapped
+    with: `with copy.swapped():` the model computes with the copy's weights, and with its own again after (also when
+    a stop interrupts). `blend(eta)` moves the copy: copy <- eta copy + (1 - eta) live. `copies`: {name: tensor},
+    its state (FSDP2: this rank's shards)."""
 
     def __init__(self, trained):
         self.named = list(trained)  # [(name, parameter)]
-        self.tensors = {name: p.detach().clone() for name, p in self.named}
+        self.copies = {name: p.detach().clone() for name, p in self.named}
 
     @torch.no_grad()
     def swap(self):
+        """Exchange the live and the copied weights (call twice to restore)."""
         for name, p in self.named:
             live = p.detach().clone()
-            p.copy_(self.tensors[name])
-            self.tensors[name].copy_(live)
+            p.copy_(self.copies[name])
+            self.copies[name].copy_(live)
 
+    @contextlib.contextmanager
     def swapped(self):
-        copy = self
-
-        class Swapped:
-            def __enter__(self):
-                copy.swap()
-
-            def __exit__(self, *exc_info):
-                copy.swap()
-        return Swapped()
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
 
     @torch.no_grad()
     def blend(self, eta: float):
         for name, p in self.named:
-            self.tensors[name].lerp_(p.detach(), 1 - eta)
+            self.copies[name].lerp_(p.detach(), 1 - eta)
 
     @torch.no_grad()
     def load(self, state):
-        for name, tensor in self.tensors.items():
+        for name, tensor in self.copies.items():
             if state[name] is tensor:  # loaded in place already (a sharded checkpoint)
                 continue
             saved = state[name].to(tensor.device, tensor.dtype)

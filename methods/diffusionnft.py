@@ -120,7 +120,7 @@ class DiffusionNFT(Method):
         self.old = FrozenCopy(trained)
 
     def state_dict(self):
-        return {"old_policy": self.old.tensors}
+        return {"old_policy": self.old.copies}
 
     def load_state_dict(self, state):
         if "old_policy" in state:

@@ -91,7 +91,7 @@ def test_one_update_is_the_restated_loss_then_the_old_policy_moves():
     method = make(nft_beta=0.5, nft_decay_rate=0.1, nft_decay_max=0.5)
     method.start([("weight", weight)])
     with torch.no_grad():
-        method.old.tensors["weight"].fill_(0.25)  # an old policy apart from the live one
+        method.old.copies["weight"].fill_(0.25)  # an old policy apart from the live one
     ctx = UpdateContext(net, [weight], torch.optim.SGD([weight], lr=0.1), sigmas,
                         [torch.Generator().manual_seed(b) for b in range(B)], iteration=3)
     stats = method.update(rollout, advantages, ctx)
@@ -114,7 +114,7 @@ def test_one_update_is_the_restated_loss_then_the_old_policy_moves():
     torch.optim.SGD([weight], lr=0.1).step()
     assert abs(ours - float(weight.detach())) < 1e-6 and stats["optimizer_steps"] == 1
     eta = min(0.1 * 3, 0.5)
-    assert abs(float(method.old.tensors["weight"]) - (eta * 0.25 + (1 - eta) * ours)) < 1e-6
+    assert abs(float(method.old.copies["weight"]) - (eta * 0.25 + (1 - eta) * ours)) < 1e-6
     assert stats["old_eta"] == eta and math.isfinite(stats["loss"])
 
 

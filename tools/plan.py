@@ -5,7 +5,7 @@ Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no da
 runs on a laptop: every model is built from its published configuration (tools/configs/, no weights) and driven through
 the same functions train.py calls, phase by phase, for one rank:
   0. pool         for a method that chooses its prompts by the ODE images of P candidates each (its
-                  `anchor_candidates`, methods/base.py: AdaGRPO's curriculum): the B P candidates encoded at
+                  `anchor_candidates`, methods/base.py: a curriculum's): the B P candidates encoded at
                   once, one transformer call of their ODE anchors (sampler.ode_sample, B P N forwards in calls of
                   <= --max-batch, no gradients) with the pool's storage, and a reward batch of anchors;
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
@@ -15,7 +15,7 @@ the same functions train.py calls, phase by phase, for one rank:
   3. reward       decoding a --reward-batch-size batch and scoring it with every reward model;
   4. update       the method's own update as train.py calls it (`method.update`), on the rollout cut to its first
                   trained step, one inner epoch: forward, and backward through the checkpoints as configured, with
-                  a method's own extra forwards (Pave-GRPO's sub-steps, their activations held until the backward)
+                  a method's own extra forwards (sub-steps: their activations held until the backward)
                   and the KL's base model where --kl-beta; the optimizer step (AdamW multi-tensor, as on CUDA, with
                   its state) and the EMA where --ema-decay; the rollout kept for it. Where one optimizer step takes
                   several trained steps (every update but G2RPO's default) the first two steps run, so the second
@@ -242,7 +242,7 @@ class FSDPTracker(_FrozenModules, FSDPMemTracker):
     tracks the FSDP2 module alone; the other modules and tensors are tracked as MemTracker does."""
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
-        """An FSDP2 module called again at the top level before or after a backward (Pave-GRPO's sub-steps, a second
+        """An FSDP2 module called again at the top level before or after a backward (a method's extra forwards, a second
         trained step that accumulates gradients) starts afresh, as `_FrozenModules._pre_fw_hook` does for the
         others: torch's tracker would take it for a second training iteration, and refuse it."""
         pre_forward = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
@@ -686,8 +686,8 @@ def _plan(args, fake, log, mesh=None):
                                   next_latents=rollout.next_latents[:, :span],
                                   old_log_probs=rollout.old_log_probs[:, :span], anchor_final=None,
                                   sde_steps=rollout.sde_steps[:span])
-        # the method's update at its most work (DanceGRPO's random share of steps counted whole: an upper bound, as
-        # perf/update_nfe is), one inner epoch
+        # the method's update at its most work (`for_planning`: a random share of steps counted whole, an upper
+        # bound), one inner epoch
         one_epoch = dataclasses.replace(method.for_planning(), inner_epochs=1)
         advantages = torch.zeros(B, span, args.group_size)  # (B, K', G): values do not change the cost
         # (ranks: None, where train.py passes torchrun's; it changes no cost)
@@ -703,7 +703,7 @@ def _plan(args, fake, log, mesh=None):
         update_cost = Cost(measured.peak, measured.flops / max(span, 1))  # one trained step's
         starts = rollout.start_latents.shape[2] * B  # start latents per trained step: B (G2RPO) or B * G
         chunks = math.ceil(starts / args.max_batch)
-        # forwards with gradients per start latent and trained step (a method's own extra ones: Pave's sub-steps)
+        # forwards per start latent and trained step (the method's `update_nfe`, its own extra ones included)
         forwards = one_epoch.update_nfe(rollout) // max(starts * K, 1)
         epochs = f" x {args.inner_epochs} inner epochs" if args.inner_epochs > 1 else ""
         label = [f"update: {K} steps{epochs} x {chunks} chunk{'s' * (chunks > 1)} of {min(starts, args.max_batch)}"]
@@ -864,7 +864,7 @@ def sampled_storage(sample, noise, fake_mode=None):
 
 def pool_rows(args, P, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp):
     """The rows of a prompt pool of P candidates a prompt as lab.loop.Harness.ode_images serves a method's
-    `prompts` (AdaGRPO's curriculum): the B P candidates encoded in one call, their anchors sampled by
+    `prompts` (a curriculum's): the B P candidates encoded in one call, their anchors sampled by
     `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and scored in reward batches; the
     pool's conditioning, noise and anchors are held throughout. The iteration's own tensors do not exist yet (the
     pool chooses its prompts). Returns the rows and the pool's NFE (train.py counts it in perf/nfe)."""
