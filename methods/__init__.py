@@ -1,5 +1,5 @@
 """The methods train.py can run, by --method name: G2RPO (g2rpo.py), its full-SDE ablation, its peers, its authors'
-follow-ups (Pave-GRPO, AdaGRPO), and DiffusionNFT, which scores no SDE step. Each is a class on the interface of
+follow-ups (Pave-GRPO, AdaGRPO), and DiffusionNFT and AWM, which score no SDE step. Each is a class on the interface of
 methods/base.py, in a file of its own that holds all of its decisions, flags and state.
 
 `METHODS` is the registry: one line a method, its name and where its class lives, imported when first read (so
@@ -18,6 +18,7 @@ REGISTRY = {
     "pavegrpo": "methods.pavegrpo:PaveGRPO",
     "adagrpo": "methods.adagrpo:AdaGRPO",
     "diffusionnft": "methods.diffusionnft:DiffusionNFT",
+    "awm": "methods.awm:AWM",
 }
 
 DEFAULT_METHOD = "g2rpo"  # --method's default: the paper's

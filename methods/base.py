@@ -272,7 +272,8 @@ def check_sde_steps(sde_steps, num_steps):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What the methods that score no SDE step share (DiffusionNFT): ODE rollouts that keep only the final latents, and a
+# What the methods that score no SDE step share (DiffusionNFT, AWM): ODE rollouts that keep only the final latents,
+# the forward process that noises them again for the update, the flow-matching loss of their self-check, and a
 # frozen copy of the trained weights (an old or EMA policy) held as the method's state
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -291,6 +292,36 @@ def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=()):
     return Rollout(start_latents=empty, next_latents=empty, old_log_probs=final.new_zeros(B, 0, G),
                    final_latents=final, anchor_final=None, sde_steps=list(trained), granularities=[],
                    nfe=forward.nfe, calls=forward.calls)
+
+
+def forward_process(rollout, sigmas, generators):
+    """Each image of an `ode_rollout` at each of its training steps (rollout.sde_steps), with fresh noise eps from
+    its prompt's generator: x_s = (1 - s) x0 + s eps. Returns x0, eps, x_s, the sigma s of each row and its prompt
+    index, each (B G K, ...) or (B G K,) in member-major order (row = (b G + m) K + k)."""
+    final = rollout.final_latents[:, 0, 0]  # (B, G, ...)
+    B, G, K = final.shape[0], final.shape[1], len(rollout.sde_steps)
+    noise = torch.stack([torch.randn((G, K, *final.shape[2:]), generator=gen) for gen in generators])
+    noise = noise.to(final.device).flatten(0, 2)  # (B G K, ...)
+    x0 = final.repeat_interleave(K, 1).flatten(0, 1)  # (B G K, ...)
+    sigma = sigmas[rollout.sde_steps].to(final.device).repeat(B * G)  # (B G K,)
+    s = sigma.view(-1, *[1] * (x0.dim() - 1))
+    x = (1 - s) * x0 + s * noise  # x_s = (1 - s) x0 + s eps
+    index = torch.arange(B, device=final.device).repeat_interleave(G * K)  # (B G K,)
+    return x0, noise, x, sigma, index
+
+
+def flow_matching_check_loss(velocity_fn, rollout, sigmas, k):
+    """The self-check's loss of a method that scores no SDE step: the flow-matching loss |v_theta - (eps - x0)|^2 of
+    the first image at step k, with a fixed noise, so it draws nothing and runs under each kernel in turn."""
+    x0 = rollout.final_latents[:1, 0, 0, 0]  # (1, ...)
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)).to(x0.device)
+    sigma = sigmas[k].expand(1).to(x0.device)
+    x = (1 - sigma) * x0 + sigma * noise
+
+    def loss_fn():
+        v = velocity_fn(x, sigma, torch.zeros(1, dtype=torch.long, device=x0.device))
+        return ((v.float() - (noise - x0)) ** 2).mean()
+    return loss_fn
 
 
 class FrozenCopy:

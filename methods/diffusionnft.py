@@ -47,7 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from advantage import granular_advantages
-from methods.base import FrozenCopy, Method, ode_rollout, optimizer_step, per_member_noise
+from methods.base import (FrozenCopy, Method, flow_matching_check_loss, forward_process, ode_rollout, optimizer_step,
+                          per_member_noise)
 
 
 def full(t):
@@ -152,25 +153,11 @@ class DiffusionNFT(Method):
         B, G = rollout.final_latents.shape[0], rollout.final_latents.shape[3]
         return 2 * B * G * len(rollout.sde_steps) * self.inner_epochs
 
-    def forward_process(self, rollout, sigmas, generators):
-        """Each image at each training step (rollout.sde_steps) with fresh noise from its prompt's generator: x0, x,
-        the sigma of each row and its prompt index, (B G K, ...) in member-major order."""
-        final = rollout.final_latents[:, 0, 0]  # (B, G, ...)
-        B, G, K = final.shape[0], final.shape[1], len(rollout.sde_steps)
-        noise = torch.stack([torch.randn((G, K, *final.shape[2:]), generator=gen) for gen in generators])
-        noise = noise.to(final.device).flatten(0, 2)  # (B G K, ...)
-        x0 = final.repeat_interleave(K, 1).flatten(0, 1)  # (B G K, ...)
-        sigma = sigmas[rollout.sde_steps].to(final.device).repeat(B * G)  # (B G K,)
-        s = sigma.view(-1, *[1] * (x0.dim() - 1))
-        x = (1 - s) * x0 + s * noise  # x_s = (1 - s) x0 + s eps
-        index = torch.arange(B, device=final.device).repeat_interleave(G * K)  # (B G K,)
-        return x0, x, sigma, index
-
     def update(self, rollout, advantages, ctx):
         """The NFT loss over every image and step, in `member_chunks` optimizer steps; then the old policy moves."""
         B, G, K = rollout.final_latents.shape[0], rollout.final_latents.shape[3], len(rollout.sde_steps)
         r = optimality(advantages[:, 0].to(rollout.final_latents.device), self.adv_clip_max)  # (B, G)
-        x0, x, sigma, index = self.forward_process(rollout, ctx.sigmas, ctx.generators)  # (B G K, ...)
+        x0, _, x, sigma, index = forward_process(rollout, ctx.sigmas, ctx.generators)  # (B G K, ...)
         r = r.repeat_interleave(K, 1).flatten()  # (B G K,)
         rows = torch.arange(B * G * K, device=x.device).view(B, G, K)
         with torch.no_grad(), self.old.swapped():  # v_old at every row, one pass
@@ -205,15 +192,5 @@ class DiffusionNFT(Method):
                 "optimizer_steps": len(taken), "skipped_steps": len(grad_norms) - len(taken)}
 
     def check_loss(self, velocity_fn, rollout, sigmas):
-        """The flow-matching loss |v_theta - (eps - x0)|^2 of the first image at the schedule's middle step, with a
-        fixed noise: deterministic, so it runs under each kernel in turn."""
-        x0 = rollout.final_latents[:1, 0, 0, 0]  # (1, ...)
-        k = self.num_steps // 2
-        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)).to(x0.device)
-        sigma = sigmas[k].expand(1).to(x0.device)
-        x = (1 - sigma) * x0 + sigma * noise
-
-        def loss_fn():
-            v = velocity_fn(x, sigma, torch.zeros(1, dtype=torch.long, device=x0.device))
-            return ((v.float() - (noise - x0)) ** 2).mean()
-        return loss_fn
+        """The flow-matching loss at the schedule's middle step (its own loss needs the old policy's forward)."""
+        return flow_matching_check_loss(velocity_fn, rollout, sigmas, self.num_steps // 2)

@@ -1,7 +1,7 @@
-"""The methods that score no SDE step (methods/diffusionnft.py): the loss and its gradient against a restatement of
-the paper's equations in float64, one update against the same restatement on a toy velocity field, the ODE rollout
-against sampler.ode_sample, and the method on the tiny model: 2 iterations with finite rewards, its self-check, and a
-resume that ends with the uninterrupted run's weights and old policy.
+"""The methods that score no SDE step (methods/diffusionnft.py, methods/awm.py): each loss and its gradient against
+a restatement of its paper's equations in float64, one update against the same restatement on a toy velocity field,
+the ODE rollout against sampler.ode_sample, and each method on the tiny model: 2 iterations with finite rewards, its
+self-check, and a resume that ends with the uninterrupted run's weights (and DiffusionNFT's old policy).
 
 Run: python -m pytest -q tests/test_decoupled.py
 """
@@ -11,6 +11,8 @@ import os
 import torch
 
 from conftest import run_train
+from g2rpo import clipped_loss
+from methods.awm import AWM, matching_log_likelihood
 from methods.base import UpdateContext, ode_rollout
 from methods.diffusionnft import DiffusionNFT, nft_loss, optimality
 from sampler import ode_sample, sigma_schedule
@@ -137,3 +139,103 @@ def test_diffusionnft_trains_checks_itself_and_resumes_exactly(tiny_cache, tmp_p
     old = [load_file(os.path.join(out, "checkpoints", "iter_000002", "old_policy.safetensors"))
            for out in (straight, resumed)]
     assert old[0].keys() == old[1].keys() and all(torch.equal(old[0][k], old[1][k]) for k in old[0])
+
+
+# ---- AWM ----
+def restated_awm(v, v_old, x0, eps, A, clip_range):
+    """The paper's loss with the PPO clip, written out: l = -mean (v - (eps - x0))^2, rho = exp(l - l_old),
+    max(-A rho, -A clip(rho, 1 - eps_clip, 1 + eps_clip)) per row."""
+    l, l_old = (-((u - (eps - x0)) ** 2).mean(1) for u in (v, v_old))
+    rho = torch.exp(l - l_old)
+    return torch.maximum(-A * rho, -A * rho.clamp(1 - clip_range, 1 + clip_range))
+
+
+def make_awm(**values):
+    return AWM(**{**dict(group_size=3, eta=0.7, clip_range=0.05, adv_clip_max=5.0, max_grad_norm=100.0,
+                         max_batch=4, inner_epochs=1, kl_beta=0.0, num_steps=4), **values})
+
+
+def test_awm_loss_and_gradient_match_the_restatement():
+    """The clipped loss over the flow-matching log-likelihood against the restatement (float64, 1e-12); at rho = 1
+    its gradient is A grad |v - v*|^2, the advantage-weighted matching loss; beyond the clip, on the side its
+    advantage favours, a row has no gradient."""
+    g = torch.Generator().manual_seed(1)
+    n, d = 6, 5
+    x0, eps, v_old = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    A = torch.randn(n, generator=g, dtype=torch.float64)
+    v = (v_old + 0.3 * torch.randn(n, d, generator=g, dtype=torch.float64)).requires_grad_(True)
+    ours = clipped_loss(matching_log_likelihood(v, x0, eps), matching_log_likelihood(v_old, x0, eps), A, 0.05)
+    theirs = restated_awm(v, v_old, x0, eps, A, 0.05).mean()
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ours, v)[0], torch.autograd.grad(theirs, v)[0],
+                               rtol=1e-12, atol=1e-12)
+    # at rho = 1: the gradient of mean A |v - (eps - x0)|^2 / d
+    at_old = v_old.clone().requires_grad_(True)
+    l = matching_log_likelihood(at_old, x0, eps)
+    grad = torch.autograd.grad(clipped_loss(l, l.detach(), A, 0.05), at_old)[0]
+    weighted = (A * ((at_old - (eps - x0)) ** 2).mean(1)).mean()
+    torch.testing.assert_close(grad, torch.autograd.grad(weighted, at_old)[0], rtol=1e-12, atol=1e-12)
+    # a row whose ratio left the clip in its advantage's direction adds nothing
+    far = v_old.clone()
+    far[0] = eps[0] - x0[0] if A[0] > 0 else v_old[0] + 3.0  # l rises for A > 0, falls for A < 0
+    far.requires_grad_(True)
+    loss = clipped_loss(matching_log_likelihood(far, x0, eps), matching_log_likelihood(v_old, x0, eps), A, 0.05)
+    assert torch.autograd.grad(loss, far)[0][0].abs().max() == 0
+
+
+def test_awm_update_is_the_restated_loss():
+    """member_chunks 1: one SGD step on the restated loss at rho = 1 over every image and step, with the noise each
+    image draws from its prompt's generator. member_chunks 3: three steps, the later ones clipped against l_old,
+    taken by a forward before the first step (counted in update_nfe)."""
+    sigmas, B, G, K = sigma_schedule(4, 3.0), 2, 3, 4
+    torch.manual_seed(0)
+    x0 = torch.randn(B, 1, 1, G, 6)
+    advantages = torch.randn(B, 1, G) * 3
+    for chunks in (1, 3):
+        weight = torch.nn.Parameter(torch.tensor(0.3))
+        net = lambda x, s, i: weight * x - s[:, None] * 0.2
+        rollout = ode_rollout(net, torch.randn(B, G, 6), sigmas, max_batch=64, trained=range(K))
+        rollout.final_latents = x0
+        method = make_awm(member_chunks=chunks, clip_range=0.01)
+        ctx = UpdateContext(net, [weight], torch.optim.SGD([weight], lr=0.1), sigmas,
+                            [torch.Generator().manual_seed(b) for b in range(B)])
+        stats = method.update(rollout, advantages, ctx)
+        assert method.update_nfe(rollout) == B * G * K * (1 if chunks == 1 else 2)
+        assert stats["optimizer_steps"] == chunks and ("first_ratio_error" in stats) == (chunks > 1)
+        # the restatement
+        gens = [torch.Generator().manual_seed(b) for b in range(B)]
+        rows = []  # (b, m, x, s, eps) in the update's order
+        for b in range(B):
+            noise = torch.randn((G, K, 6), generator=gens[b])
+            for m in range(G):
+                for k in range(K):
+                    s = sigmas[k].view(1)
+                    rows.append((b, m, (1 - s) * x0[b, 0, 0, m] + s * noise[m, k], s, noise[m, k]))
+        w = torch.nn.Parameter(torch.tensor(0.3))
+        optimizer = torch.optim.SGD([w], lr=0.1)
+        v_old = {id(r): 0.3 * r[2] - r[3] * 0.2 for r in rows}  # the policy that rolled out
+        for members in torch.arange(G).tensor_split(chunks):
+            chosen = [r for r in rows if r[1] in members.tolist()]
+            loss = torch.stack([restated_awm((w * r[2] - r[3] * 0.2)[None], v_old[id(r)][None], x0[r[0], 0, 0, r[1]][None],
+                                             r[4][None], advantages[r[0], 0, r[1]].view(1), 0.01)
+                                for r in chosen]).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert abs(float(weight.detach()) - float(w.detach())) < 1e-6, chunks
+
+
+def test_awm_trains_checks_itself_and_resumes_exactly(tiny_cache, tmp_path):
+    """Two iterations on the tiny model: finite rewards, the gradient self-check on the flow-matching loss, one
+    forward per image and step counted; a resume after the first ends with the same weights (AWM keeps no state)."""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    common = [*SMALL, "--tiny-cache", tiny_cache, "--method", "awm", "--group-size", "4"]
+    proc = run_train([*common, "--output-dir", straight, "--num-iterations", "2"])
+    assert "gradient self-check passed" in proc.stdout
+    rows = read_metrics(straight)
+    assert all(math.isfinite(r["train/reward/shapes"]) and r["perf/optimizer_steps"] == 1 for r in rows[1:])
+    assert rows[1]["perf/update_nfe"] == 2 * 4 * 8 and rows[1]["perf/nfe"] == 2 * 4 * 8  # B G K, B G N
+    stopped_after_one(straight, resumed)
+    assert "resumed from" in run_train([*common, "--output-dir", resumed, "--num-iterations", "2", "--resume"]).stdout
+    a, b = transformer_weights(straight, 2), transformer_weights(resumed, 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
