@@ -337,3 +337,8 @@ def test_diffusionnfts_old_policy_is_resident_and_its_update_counts_both_forward
     resident, g2rpo = simulated[0].cost.peak, fused[0][0].cost.peak
     assert resident["total"] - g2rpo["total"] == pytest.approx(trained, rel=0.05)  # the copy, in bytes
     assert "2 forwards each" in update_row(simulated).phase
+    # its rollout swaps the copy in and out in place: it holds what AWM's rollout (the same ODE, no copy) holds
+    awm = plan.plan(small_args("--method", "awm", *SERIES), log=lambda m: None)[0]
+    held = [next(r for r in rows if r.phase.startswith("rollout")).cost.peak["total"] - rows[0].cost.peak["total"]
+            for rows in (simulated, awm)]
+    assert held[0] == pytest.approx(held[1], rel=0.01)

@@ -645,7 +645,8 @@ def _plan(args, fake, log, mesh=None):
         resident_cond = resident + list(cond.values())
 
         # 2. rollout: its storage on fake tensors, one transformer call at its largest batch on the device
-        storage, calls = rollout_storage(method, noise, sigmas, generators, steps, fake_mode)
+        storage, calls = rollout_storage(method, noise, sigmas, generators, steps, fake_mode,
+                                         [*policy.params, *state])
         largest = max(b for b, _ in calls)
         latent_shape = storage["rollout"].final_latents.shape[4:]  # (...) one latent: (B, J, K, G, ...) less B J K G
         latents = torch.zeros(largest, *latent_shape)  # (n, ...) a call's input
@@ -833,30 +834,33 @@ def args_eval_prompt_count(args):
     return 400
 
 
-def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None):
+def rollout_storage(method, noise, sigmas, generators, steps, fake_mode=None, resident=()):
     """Run the method's rollout with a velocity of zeros from `noise` made fake under `fake_mode` (else for real on
     the CPU): the rollout keeps what it keeps in a real run (anchor, branches, completions), at the real latent
     shape, and every tensor that follows from the noise is fake too, so its storage costs no host memory (the sigma
-    schedule stays real: the sampler reads its values). Returns {"rollout": the Rollout} and, per transformer call,
-    (batch, bytes the rollout holds at that call)."""
+    schedule stays real: the sampler reads its values). `resident`: the tensors held before it (the trained weights,
+    a method's copy of them, which a rollout from an old policy swaps in place). Returns {"rollout": the Rollout}
+    and, per transformer call, (batch, bytes the rollout holds at that call)."""
     rollout, calls = sampled_storage(lambda velocity_fn, x: method.rollout(velocity_fn, x, sigmas, generators, steps),
-                                     noise, fake_mode)
+                                     noise, fake_mode, resident)
     return {"rollout": rollout}, calls
 
 
 @torch.no_grad()
-def sampled_storage(sample, noise, fake_mode=None):
+def sampled_storage(sample, noise, fake_mode=None, resident=()):
     """`sample(velocity_fn, noise)` (a rollout, a prompt pool's ODE anchors) with a velocity of zeros, from
-    `noise` made fake under `fake_mode`. Returns what it returns and, per transformer call, (batch, bytes held)."""
+    `noise` made fake under `fake_mode`. Returns what it returns and, per transformer call, (batch, bytes held
+    beyond the `resident` tensors, which it may touch but does not hold anew)."""
     tracker, calls = Tracker(), []
+    already = sum(t.untyped_storage().nbytes() for t in resident)  # counted in the resident row
 
     def zero_velocity(x, sigma, prompt_index):
-        held = sum(device["Total"] for device in tracker.get_tracker_snapshot().values())
+        held = sum(device["Total"] for device in tracker.get_tracker_snapshot().values()) - already
         calls.append((x.shape[0], held))
         return torch.zeros_like(x, dtype=torch.float32)
 
     noise = _fake_copy(noise, fake_mode)
-    tracker.track_external(noise)
+    tracker.track_external(noise, *resident)
     with tracker:
         result = sample(zero_velocity, noise)
     return result, calls
