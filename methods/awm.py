@@ -23,14 +23,15 @@ flow-matching loss that pretrained the model, on the clean image with fresh nois
      is pushed away. The clip acts from the second optimizer step of a rollout on (--member-chunks, --inner-epochs).
 Nothing is kept across iterations: the ratio's denominator is the policy that rolled out, so AWM has no state.
 
-What this file cannot yet say: the authors' code (scxue/advantage_weighted_matching) was not readable in the session
-that wrote it, so the differences below are from the paper alone, and each is this file's choice where the paper
-leaves one open; reading the training script may change them, and the recipe's published sizes wait for it.
+What this file cannot yet say: it restates the paper alone. The authors' code (scxue/advantage_weighted_matching) has
+not been read against it, so the list below is where the paper leaves a choice open and what this file chose;
+reading their training script may change it, and the recipe's published sizes (`presets`) wait for that reading.
   1. The solver is this project's Euler ODE on the run's schedule (the paper: a sampler need not be scored).
   2. Every image trains at every step of the schedule each iteration, with the flow-matching loss's uniform weight
      over steps; the paper's timestep distribution and weighting w(t) are not restated.
-  3. The clipped ratio over the flow-matching log-likelihood is the PPO form of Flow-GRPO, where the runs here
-     compare it; with one optimizer step a rollout (the default) rho = 1 and it is the paper's weighted loss.
+  3. The clip: the paper's loss is the advantage-weighted matching loss; this file takes Flow-GRPO's clipped ratio
+     over its log-likelihood, so that a rollout's later optimizer steps stay near the policy that rolled out. With
+     one optimizer step a rollout (the default) rho = 1 and the two are the same.
   4. No EMA policy and no reference term beyond --kl-beta's velocity distance to the base model.
 
 Run it:
@@ -51,8 +52,8 @@ from methods.base import (Method, flow_matching_check_loss, forward_process, ode
 
 def matching_log_likelihood(velocity, x0, noise):
     """l = -mean |v - (eps - x0)|^2, the flow-matching estimate of log pi(x0), per row: (n, ...) -> (n,)."""
-    target = (noise - x0).to(torch.float64 if velocity.dtype == torch.float64 else torch.float32)  # v* = eps - x0
-    return -((velocity.to(target.dtype) - target) ** 2).flatten(1).mean(1)  # (n,)
+    velocity = velocity if velocity.dtype == torch.float64 else velocity.float()  # fp32 (the tests' fp64 stays)
+    return -((velocity - (noise - x0).to(velocity.dtype)) ** 2).flatten(1).mean(1)  # v* = eps - x0; (n,)
 
 
 @dataclass

@@ -25,9 +25,9 @@ clean images, as pretraining does. Each iteration:
 Nothing is stored from the sampler but x0, so any solver serves; the compute moves from the rollout to the update
 (two forwards per image and step: v_old without gradients, v_theta with them; perf/update_nfe counts both).
 
-What this file cannot yet say: the authors' code (NVlabs/DiffusionNFT) was not readable in the session that wrote
-it, so the numbered differences below are from the paper alone; checking its training script may add to them, and
-the recipe's published sizes (`presets`) wait for that reading.
+What this file cannot yet say: it restates the paper alone. The authors' code (NVlabs/DiffusionNFT) has not been read
+against it, so the numbered differences below are from the paper; checking their training script may add to them,
+and the recipe's published sizes (`presets`) wait for that reading.
   1. The solver is this project's Euler ODE on the run's schedule (the paper: any black-box solver).
   2. Every image trains at every step of the schedule each iteration, in `--member-chunks` optimizer steps.
   3. r's normaliser Z is the group's std times adv_clip_max (the one advantage every method here computes).
