@@ -26,7 +26,8 @@ Nothing is kept across iterations: the ratio's denominator is the policy that ro
 What this file cannot yet say: it restates the paper alone. The authors' code (scxue/advantage_weighted_matching) has
 not been read against it, so the list below is where the paper leaves a choice open and what this file chose;
 reading their training script may change it, and the recipe's published sizes (`presets`) wait for that reading.
-  1. The solver is this project's Euler ODE on the run's schedule (the paper: a sampler need not be scored).
+  1. The solver is this project's Euler ODE on the run's schedule, or DPM-Solver++(2M) on it with --rollout-solver
+     dpm++2m (the paper: a sampler need not be scored); which one the authors' rollouts use is unread.
   2. Every image trains at every step of the schedule each iteration, with the flow-matching loss's uniform weight
      over steps; the paper's timestep distribution and weighting w(t) are not restated.
   3. The clip: the paper's loss is the advantage-weighted matching loss; this file takes Flow-GRPO's clipped ratio
@@ -41,12 +42,13 @@ Run it:
 Shapes: B prompts, G group size, K training steps (the schedule's N), (...) a latent.
 """
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from advantage import granular_advantages
 from g2rpo import clipped_loss
-from methods.base import (Method, flow_matching_check_loss, forward_process, ode_rollout, optimizer_step,
+from methods.base import (SOLVERS, Method, flow_matching_check_loss, forward_process, ode_rollout, optimizer_step,
                           per_member_noise, ratio_stats, update_stats)
 
 
@@ -69,6 +71,9 @@ class AWM(Method):
     """The members of each group split into this many chunks, one optimizer step each on the gradient accumulated
     over its images and the schedule's steps (1: one step a rollout, where rho = 1 and the loss is the paper's
     advantage-weighted matching; more: the clip acts from the second step)."""
+    rollout_solver: Literal[SOLVERS] = "euler"
+    """The rollout's ODE solver on the run's schedule, one forward a step: the project's Euler, or DPM-Solver++(2M)
+    (second order). Only x0 is kept, so the update is the same either way; held-out evaluation samples with Euler."""
 
     per_step_advantages = False  # one reward per image
 
@@ -87,7 +92,8 @@ class AWM(Method):
 
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """G ODE samples per prompt of the current policy: only x0 kept."""
-        return ode_rollout(velocity_fn, noise, sigmas, self.max_batch, trained=steps)
+        return ode_rollout(velocity_fn, noise, sigmas, self.max_batch, trained=steps,
+                           solver=self.rollout_solver)
 
     def advantages(self, scores, weights, ranks=None):
         """scores: (B, 1, 1, G, R) -> (B, 1, G), the group advantage of each image."""

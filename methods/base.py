@@ -276,17 +276,48 @@ def check_sde_steps(sde_steps, num_steps):
 # the forward process that noises them again for the update, the flow-matching loss of their self-check, and a
 # frozen copy of the trained weights (an old or EMA policy) held as the method's state
 # ---------------------------------------------------------------------------------------------------------------
+SOLVERS = ("euler", "dpm++2m")  # the ODE solvers of a rollout that keeps only x0 (a method's --rollout-solver)
+
+
+def dpm_solver_2m(velocity_fn, noise, sigmas, prompt_index):
+    """DPM-Solver++(2M) (Lu et al. 2022, arXiv 2211.01095): the second-order multistep solver of the probability-flow
+    ODE in its data prediction D = x - s v, one forward a step, on the run's schedule `sigmas` (diffusers' version
+    builds its own grid). In this convention (alpha = 1 - s, lambda = log(alpha / s)) a step is
+        x' = (s' / s) x + (1 - s' / s) D~,   D~ = D + (h / 2 h_prev) (D - D_prev),   h = lambda(s') - lambda(s)
+    and with D~ = D it is exactly the Euler step. The first step has no D_prev and the one after it an infinite h_prev
+    (s = 1: lambda = -inf), so both are first order, and so is the last (s' = 0: x' = D), as in diffusers.
+    noise (n, ...), prompt_index (n,) -> x0 (n, ...), fp32."""
+    x, previous = noise.float(), None  # previous: (D_prev, h_prev)
+    lam = [math.log((1 - s) / s) if 0 < s < 1 else (-math.inf if s >= 1 else math.inf) for s in sigmas.tolist()]
+    for i in range(len(sigmas) - 1):
+        s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        denoised = x - s * velocity_fn(x, sigmas[i].expand(x.shape[0]).to(x.device), prompt_index).float()  # D
+        if s_next == 0:
+            return denoised  # the last step: x0 = D
+        h = lam[i + 1] - lam[i]
+        target = denoised  # D~
+        if previous is not None and math.isfinite(previous[1]):
+            target = denoised + h / (2 * previous[1]) * (denoised - previous[0])
+        x = (s_next / s) * x + (1 - s_next / s) * target
+        previous = (denoised, h)
+    return x
+
+
 @torch.no_grad()
-def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=()):
-    """G deterministic (Euler ODE) samples per prompt from their own noise (B, G, ...), only the final latents
-    kept: a `sampler.Rollout` with final latents (B, 1, 1, G, ...) and no SDE step sampled, so its start, next and
-    log-prob parts are empty; its `sde_steps` are the steps of the schedule the update trains at (`trained`)."""
+def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=(), solver="euler"):
+    """G deterministic samples per prompt from their own noise (B, G, ...), by `solver` (SOLVERS: the project's Euler
+    ODE, sampler.ode_sample, or `dpm_solver_2m`), only the final latents kept: a `sampler.Rollout` with final latents
+    (B, 1, 1, G, ...) and no SDE step sampled, so its start, next and log-prob parts are empty; its `sde_steps` are
+    the steps of the schedule the update trains at (`trained`)."""
     from sampler import CountingVelocity, Rollout, ode_sample
 
     B, G = noise.shape[:2]
     forward = CountingVelocity(velocity_fn, max_batch)  # (counts the forwards)
     prompt_index = torch.arange(B, device=noise.device).repeat_interleave(G)  # (B*G,)
-    x = ode_sample(forward, noise.flatten(0, 1), sigmas, max_batch=max_batch, prompt_index=prompt_index)  # (B*G, ...)
+    if solver == "dpm++2m":
+        x = dpm_solver_2m(forward, noise.flatten(0, 1), sigmas, prompt_index)  # (B*G, ...)
+    else:
+        x = ode_sample(forward, noise.flatten(0, 1), sigmas, max_batch=max_batch, prompt_index=prompt_index)
     final = x.view(B, 1, 1, G, *noise.shape[2:])  # (B, 1, 1, G, ...)
     empty = final.new_zeros(B, 0, G, *noise.shape[2:])  # (B, 0, G, ...)
     return Rollout(start_latents=empty, next_latents=empty, old_log_probs=final.new_zeros(B, 0, G),
