@@ -479,12 +479,16 @@ def parse_args(argv=None, base=None):
     if method not in METHODS:
         fail(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
     mine = {flag(name) for name in own_flags(method)}
+    owners = {}  # each flag of another method given here: the methods whose flag it is
     for other in METHODS:
         for name in own_flags(other):
             spelled = {flag(name), "--no-" + name.replace("_", "-")}
             if flag(name) not in mine and any(a.split("=", 1)[0] in spelled for a in argv):
-                fail(f"{flag(name)} is a flag of --method {other}, not of --method {method}; drop it, or use "
-                     f"--method {other}")
+                owners.setdefault(flag(name), []).append(other)
+    for name, others in owners.items():
+        named = " or ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
+        fail(f"{name} is a flag of --method {named}, not of --method {method}; drop it, or use "
+             + (f"--method {others[0]}" if len(others) == 1 else "one of those methods"))
     cls = args_class(method, base)
     refuse_repeats(argv, cls)
     known = {spelling for f in dataclasses.fields(cls) for spelling in (flag(f.name), "--" + f.name,

@@ -67,6 +67,8 @@ BAD_INPUTS = [
     (["--window-schedule", "random"], "unknown flag --window-schedule: each method now runs its own"),
     (["--sampling", "full"], "unknown flag --sampling: use --method full-sde"),
     (["--window-end", "5"], "--window-end is a flag of --method flow-grpo-fast, not of --method g2rpo"),
+    (["--rollout-solver", "dpm++2m"], "--rollout-solver is a flag of --method diffusionnft or awm, not of --method "
+                                      "g2rpo; drop it, or use one of those methods"),
 ]
 
 
