@@ -459,6 +459,23 @@ def refuse_repeats(argv, cls):
             seen.add(name)
 
 
+def refuse_bad_choices(argv, cls):
+    """A flag of the dataclass `cls` with a fixed set of values, given another, is refused in one line (its parser
+    would print a box of several)."""
+    for f in dataclasses.fields(cls):
+        t = f.type
+        t = typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
+        if typing.get_origin(t) is not Literal:
+            continue
+        choices = [str(c) for c in typing.get_args(t)]
+        spelled = {flag(f.name), "--" + f.name}
+        for i, a in enumerate(argv):
+            name, eq, value = a.partition("=")
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            if name in spelled and value is not None and not value.startswith("--") and value not in choices:
+                fail(f"{flag(f.name)} {value}: not one of its values; choose one of {', '.join(choices)}")
+
+
 def _choice(argv, name: str, default: str) -> str:
     for i, a in enumerate(argv):
         if a == name and i + 1 < len(argv):
@@ -491,6 +508,7 @@ def parse_args(argv=None, base=None):
              + (f"--method {others[0]}" if len(others) == 1 else "one of those methods"))
     cls = args_class(method, base)
     refuse_repeats(argv, cls)
+    refuse_bad_choices(argv, cls)
     known = {spelling for f in dataclasses.fields(cls) for spelling in (flag(f.name), "--" + f.name,
                                                                          "--no-" + f.name.replace("_", "-"))}
     for a in argv:

@@ -69,6 +69,8 @@ BAD_INPUTS = [
     (["--window-end", "5"], "--window-end is a flag of --method flow-grpo-fast, not of --method g2rpo"),
     (["--rollout-solver", "dpm++2m"], "--rollout-solver is a flag of --method diffusionnft or awm, not of --method "
                                       "g2rpo; drop it, or use one of those methods"),
+    (["--rollout-precision", "fp4"], "--rollout-precision fp4: not one of its values; choose one of bf16, fp8"),
+    (["--log-with=mlflow"], "--log-with mlflow: not one of its values; choose one of none, wandb, tensorboard"),
 ]
 
 
