@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import textwrap
+import types
 import typing
 import weakref
 from dataclasses import dataclass, field
@@ -465,9 +466,11 @@ def refuse_bad_choices(argv, cls):
     for f in dataclasses.fields(cls):
         t = f.type
         t = typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
-        if typing.get_origin(t) is not Literal:
+        members = typing.get_args(t) if typing.get_origin(t) in (typing.Union, types.UnionType) else (t,)
+        if not any(typing.get_origin(m) is Literal for m in members):
             continue
-        choices = [str(c) for c in typing.get_args(t)]
+        choices = [str(c) for m in members for c in (typing.get_args(m) if typing.get_origin(m) is Literal
+                                                     else ("None",) if m is type(None) else ())]
         spelled = {flag(f.name), "--" + f.name}
         for i, a in enumerate(argv):
             name, eq, value = a.partition("=")

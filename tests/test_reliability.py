@@ -632,6 +632,10 @@ def test_evaluate_names_a_folder_of_another_family(sd3_path, capsys):
     with pytest.raises(SystemExit):  # a repeated --checkpoint kept only the last
         evaluate.main(["--model", "tiny", "--checkpoint", "A", "--checkpoint", "B"])
     assert "--checkpoint is given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a value not among a flag's: one line, not the parser's box
+        evaluate.main(["--model", "tnyi", "--checkpoint", "A"])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model tnyi: not one of its values; choose one of flux,") and "\n" not in err
 
 
 def test_the_closing_lines_say_when_the_evaluations_differ(tmp_path):
