@@ -285,20 +285,25 @@ def dpm_solver_2m(velocity_fn, noise, sigmas, prompt_index):
     builds its own grid). In this convention (alpha = 1 - s, lambda = log(alpha / s)) a step is
         x' = (s' / s) x + (1 - s' / s) D~,   D~ = D + (h / 2 h_prev) (D - D_prev),   h = lambda(s') - lambda(s)
     and with D~ = D it is exactly the Euler step. The first step has no D_prev and the one after it an infinite h_prev
-    (s = 1: lambda = -inf), so both are first order, and so is the last (s' = 0: x' = D), as in diffusers.
+    (s = 1: lambda = -inf), so both are first order, and so is the last (s' = 0: x' = D), as in diffusers (which, below
+    15 steps, also takes the one before the last at first order; this solver does not).
     noise (n, ...), prompt_index (n,) -> x0 (n, ...), fp32."""
-    x, previous = noise.float(), None  # previous: (D_prev, h_prev)
+    x, previous = noise.float(), None  # x: (n, ...); previous: (D_prev, h_prev)
+    # lambda(s) = log((1 - s) / s): -inf at s = 1 (pure noise), +inf at s = 0 (data)
     lam = [math.log((1 - s) / s) if 0 < s < 1 else (-math.inf if s >= 1 else math.inf) for s in sigmas.tolist()]
     for i in range(len(sigmas) - 1):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
-        denoised = x - s * velocity_fn(x, sigmas[i].expand(x.shape[0]).to(x.device), prompt_index).float()  # D
+        # D = x - s v, the model's x0 at this step
+        denoised = x - s * velocity_fn(x, sigmas[i].expand(x.shape[0]).to(x.device), prompt_index).float()  # (n, ...)
         if s_next == 0:
-            return denoised  # the last step: x0 = D
+            return denoised  # the last step, first order: x0 = D
         h = lam[i + 1] - lam[i]
-        target = denoised  # D~
+        # D~ = D + (h / 2 h_prev) (D - D_prev), once a finite previous step exists; else D~ = D (first order)
+        target = denoised  # (n, ...)
         if previous is not None and math.isfinite(previous[1]):
-            target = denoised + h / (2 * previous[1]) * (denoised - previous[0])
-        x = (s_next / s) * x + (1 - s_next / s) * target
+            target = denoised + h / (2 * previous[1]) * (denoised - previous[0])  # (n, ...)
+        # x' = (s' / s) x + (1 - s' / s) D~
+        x = (s_next / s) * x + (1 - s_next / s) * target  # (n, ...)
         previous = (denoised, h)
     return x
 
