@@ -551,8 +551,9 @@ def save_image(output_dir, row_name, item, image):
 
 
 def main(argv=None):
-    flags.refuse_repeats(sys.argv[1:] if argv is None else argv, Args)
-    flags.refuse_bad_choices(sys.argv[1:] if argv is None else argv, Args)
+    given = sys.argv[1:] if argv is None else argv
+    flags.refuse_repeats(given, Args)
+    flags.refuse_bad_choices(given, Args)
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     results = compare(args)
     import torch.distributed as dist

@@ -438,14 +438,21 @@ REMOVED = {
 }
 
 
+def _members(t) -> list:
+    """A field's type seen through Annotated[...] and unions (Optional[...], X | None): the types it may hold."""
+    origin = typing.get_origin(t)
+    if origin is Annotated:
+        return _members(typing.get_args(t)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(t) for m in _members(arg)]
+    return [t]
+
+
 def refuse_repeats(argv, cls):
     """A list flag of the dataclass `cls` given twice is refused in one line: its parser would silently keep the
     last list. (A scalar flag given twice keeps the last, as command lines do, so a later flag overrides a script's.)"""
-    def is_list(t):  # through Annotated[...] and Optional[...]
-        origin = typing.get_origin(t)
-        if origin is Annotated or origin is typing.Union:
-            return any(is_list(arg) for arg in typing.get_args(t)[: 1 if origin is Annotated else None])
-        return origin in (list, tuple) or t in (list, tuple)
+    def is_list(t):
+        return any(typing.get_origin(m) in (list, tuple) or m in (list, tuple) for m in _members(t))
 
     lists = {flag(f.name) for f in dataclasses.fields(cls) if is_list(f.type)}
     lists |= {"--" + name[2:].replace("-", "_") for name in lists}  # tyro's other spelling
@@ -464,9 +471,7 @@ def refuse_bad_choices(argv, cls):
     """A flag of the dataclass `cls` with a fixed set of values, given another, is refused in one line (its parser
     would print a box of several)."""
     for f in dataclasses.fields(cls):
-        t = f.type
-        t = typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
-        members = typing.get_args(t) if typing.get_origin(t) in (typing.Union, types.UnionType) else (t,)
+        members = _members(f.type)
         if not any(typing.get_origin(m) is Literal for m in members):
             continue
         choices = [str(c) for m in members for c in (typing.get_args(m) if typing.get_origin(m) is Literal
