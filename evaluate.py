@@ -77,7 +77,7 @@ def family_defaults(model: str) -> dict:
             **EVAL_DEFAULTS[model]}
 
 
-SETTINGS = ["model", "model_path", "num_steps", "shift", "guidance", "resolution", "height", "width",
+SETTINGS = ["model", "model_path", "num_steps", "shift", "sigma_grid", "guidance", "resolution", "height", "width",
             "max_sequence_length", "num_frames", "reward_frames"]
 SHARED = SETTINGS + ["reward_batch_size", "mixed_precision", "offload_text_encoders", "tiny_cache"]
 PAPER_SCALE = {"pickscore": 0.01}  # the paper reports PickScore / 100
@@ -352,7 +352,7 @@ def evaluate_row(adapter, module, settings, items, prompts, metric_fns, batch_si
     """Sample every item (prompt index, seed index) with the ODE sampler and score it: {metric: [score]}."""
     from sampler import ode_sample, sigma_schedule
 
-    sigmas = sigma_schedule(settings["num_steps"], settings["shift"])  # (N + 1,)
+    sigmas = sigma_schedule(settings["num_steps"], settings["shift"], settings["sigma_grid"])  # (N + 1,)
     size = flags.image_size(settings["resolution"], settings["height"], settings["width"])  # (H, W)
     scores = {name: [] for name in metric_fns}
     for start in range(0, len(items), batch_size):

@@ -32,7 +32,7 @@ from lab import fail
 from lab.kernels import ATTENTION_BACKENDS, ROLLOUT_PRECISIONS, fp8_problem
 from lab.models import ADAPTERS, RESOLUTION_MULTIPLE
 from methods import DEFAULT_METHOD, METHODS, STEP_CREDITS
-from sampler import sigma_schedule
+from sampler import SIGMA_GRIDS, sigma_schedule
 
 
 def read_prompts(path: str, what: str):
@@ -143,6 +143,10 @@ class TrainArgs:
     """N, sampling steps of the rollout (reference 16)."""
     shift: float = 3.0
     """SD3 time shift of the sigma schedule (reference 3)."""
+    sigma_grid: Literal[SIGMA_GRIDS] = "linear"
+    """The grid the shift bends (sampler.sigma_schedule): linear, shift(linspace(1, 0, N + 1)) (the reference's), or
+    sd3, shift(linspace(1, 1/1000, N)) then 0 (diffusers' FlowMatchEulerDiscreteScheduler: DiffusionNFT's and AWM's
+    scripts). Rollouts, updates and held-out evaluations all sample on it."""
     eta: float = 0.7
     """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; a method's recipe sets its
     authors' own, docs/methods.md)."""
@@ -294,8 +298,8 @@ def reward_path_fields(defaults=None) -> list:
 # method's own flags are added (`resume_keys`); the rest may change on --resume, applied from then on
 RESUME_FLAGS = ("method", "model", "model_path", "lora_rank", "lora_alpha", "lora_feed_forward", "guidance",
                 "max_sequence_length", "eta", "resolution", "height", "width", "group_size", "num_steps", "shift",
-                "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay", "ema_every",
-                "num_frames", "reward_frames", "step_credit")
+                "sigma_grid", "sde_steps", "rewards", "seed", "prompts_per_iteration", "kl_beta", "ema_decay",
+                "ema_every", "num_frames", "reward_frames", "step_credit")
 
 
 def resume_keys(method: str) -> list[str]:
@@ -822,7 +826,7 @@ def check_flags(args, world: int, log=print):
     if args.eval_seeds < 2:
         log("note: with --eval-seeds 1 the evaluations in training have one image a prompt, so the reward-hacking "
             "watch has no diversity over seeds there (it needs 2 or more); it watches the other statistics")
-    for line in method.notes(sigma_schedule(args.num_steps, args.shift)):
+    for line in method.notes(sigma_schedule(args.num_steps, args.shift, args.sigma_grid)):
         log(line)
     return weights
 

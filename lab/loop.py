@@ -29,7 +29,7 @@ class Harness:
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.rank, self.world, self.distributed = rank, world, distributed
         self.ranks = Ranks(world, distributed) if distributed else None  # (a method's collectives)
-        self.sigmas = sigma_schedule(args.num_steps, args.shift)  # (N + 1,)
+        self.sigmas = sigma_schedule(args.num_steps, args.shift, args.sigma_grid)  # (N + 1,)
         self.weights = torch.tensor(list(reward_models.weights.values()))  # (R,) the --rewards weights
         self.check = None  # the first update's self-checks (FirstUpdateChecks), until an update has run them
         self.started, self.times, self.metrics, self.notes = time.time(), {}, {}, set()

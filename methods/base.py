@@ -56,6 +56,8 @@ from typing import Callable
 
 import torch
 
+from advantage import integrate
+
 
 @dataclass
 class Batch:
@@ -185,6 +187,18 @@ class Method:
 def per_member_noise(draw, generators, group_size):
     """x_T, one per member, drawn in turn from its prompt's generator: (B, G, ...)."""
     return draw([gen for gen in generators for _ in range(group_size)]).unflatten(0, (len(generators), group_size))
+
+
+def global_std_advantages(scores, weights, adv_clip_max, ranks=None):
+    """Flow-GRPO's advantage, which DiffusionNFT's and AWM's scripts take too: scores (B, 1, 1, G, R), weights (R,)
+    -> (B, 1, G). The weighted sum of the raw scores is the one reward (multi_score); each group's mean is
+    subtracted, and the std is that of every reward on every rank (population std), + 1e-4."""
+    reward = (scores * weights).sum(-1, keepdim=True)  # (B, 1, 1, G, 1)
+    every_rank = ranks.gather(reward) if ranks is not None else reward  # (world*B, 1, 1, G, 1)
+    std = every_rank.float().std(dim=(0, 3), keepdim=True, correction=0)  # (1, 1, 1, 1, 1), the population std
+    r = reward.float()
+    # A_i = (R_i - mean_group R) / (std_all R + 1e-4)
+    return integrate((r - r.mean(3, keepdim=True)) / (std.to(r.device) + 1e-4), adv_clip_max)  # (B, 1, G)
 
 
 def member_log_probs(step_fn, start_latents, velocity, targets, sigmas, k):
@@ -330,19 +344,69 @@ def ode_rollout(velocity_fn, noise, sigmas, max_batch, trained=(), solver="euler
                    nfe=forward.nfe, calls=forward.calls)
 
 
-def forward_process(rollout, sigmas, generators):
-    """Each image of an `ode_rollout` at each of its training steps (rollout.sde_steps), with fresh noise eps from
-    its prompt's generator: x_s = (1 - s) x0 + s eps. Returns x0, eps, x_s, the sigma s of each row and its prompt
-    index, each (B G K, ...) or (B G K,) in member-major order (row = (b G + m) K + k)."""
+TIME_SAMPLINGS = ("permuted", "discrete", "discrete_wo_init")  # a method's --time-sampling
+
+
+def stratified_bins(num_steps, count, fraction, skip_first):
+    """The bins [lo, hi) of a stratified draw of `count` indices into the schedule's first int(fraction N) steps:
+    the floors of linspace(first, int(fraction N), count + 1), first = 1 without sigma 1 (discrete_wo_init), else 0
+    (discrete). AWM's 14 steps, 6 indices, fraction 0.9, without sigma 1: [1,2) [2,4) [4,6) [6,8) [8,10) [10,12)."""
+    edges = torch.linspace(1.0 if skip_first else 0.0, int(fraction * num_steps), count + 1).long().tolist()
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def training_timesteps(sampling, generators, group_size, num_steps, count, fraction, micro_batch=1):
+    """Which schedule steps each image trains at, drawn from its prompt's generator: (B, G, T) indices.
+        permuted: each image its own random order of the N steps (sigma 1 included, the final 0 not), the first
+                  T = count of them (DiffusionNFT's script: T = int(0.99 N));
+        discrete, discrete_wo_init: one index from each of `stratified_bins` (lo + floor(u (hi - lo)), u uniform),
+                  shared by each `micro_batch` consecutive members of a group (AWM's script: its micro-batch of 3).
+    """
+    out = []
+    for gen in generators:
+        if sampling == "permuted":
+            out.append(torch.stack([torch.randperm(num_steps, generator=gen)[:count] for _ in range(group_size)]))
+            continue
+        lo, hi = torch.tensor(stratified_bins(num_steps, count, fraction, sampling == "discrete_wo_init")).T  # (T,)
+        shared = [lo + (torch.rand(count, generator=gen, dtype=torch.float64) * (hi - lo)).long()
+                  for _ in range(-(-group_size // micro_batch))]  # one (T,) draw a micro-batch
+        out.append(torch.stack([shared[m // micro_batch] for m in range(group_size)]))  # (G, T)
+    return torch.stack(out)  # (B, G, T)
+
+
+def check_timesteps(sampling, count, fraction, num_steps):
+    """Why a draw of training timesteps cannot run on N steps, in one line, or None."""
+    if not 0 < fraction <= 1:
+        return f"--time-fraction {fraction}: must be in (0, 1] (the share of the schedule the draw covers)"
+    if count < 0 or (count or int(fraction * num_steps)) < 1:
+        return f"--train-timesteps {count}: must be >= 1, or 0 with --time-fraction x --num-steps >= 1"
+    if sampling == "permuted" and count > num_steps:
+        return f"--train-timesteps {count}: more than the schedule's --num-steps {num_steps}"
+    if sampling != "permuted":
+        bins = stratified_bins(num_steps, count or int(fraction * num_steps), fraction, sampling == "discrete_wo_init")
+        if any(hi <= lo for lo, hi in bins):
+            return (f"--train-timesteps {count}: more bins than the {int(fraction * num_steps)} steps --time-fraction "
+                    f"{fraction} of --num-steps {num_steps} covers; take fewer")
+    return None
+
+
+def forward_process(rollout, sigmas, generators, steps=None):
+    """Each image of an `ode_rollout` at its training steps, with fresh noise eps from its prompt's generator (drawn
+    after `steps`, when those came from it): x_s = (1 - s) x0 + s eps. `steps`: (B, G, T) indices into the schedule,
+    each image's own; None: every image at rollout.sde_steps. Returns x0, eps, x_s, the sigma s of each row and its
+    prompt index, each (B G T, ...) or (B G T,) in member-major order (row = (b G + m) T + t)."""
     final = rollout.final_latents[:, 0, 0]  # (B, G, ...)
-    B, G, K = final.shape[0], final.shape[1], len(rollout.sde_steps)
-    noise = torch.stack([torch.randn((G, K, *final.shape[2:]), generator=gen) for gen in generators])
-    noise = noise.to(final.device).flatten(0, 2)  # (B G K, ...)
-    x0 = final.repeat_interleave(K, 1).flatten(0, 1)  # (B G K, ...)
-    sigma = sigmas[rollout.sde_steps].to(final.device).repeat(B * G)  # (B G K,)
+    B, G = final.shape[0], final.shape[1]
+    if steps is None:
+        steps = torch.tensor(rollout.sde_steps, dtype=torch.long).expand(B, G, -1)  # (B, G, K)
+    T = steps.shape[2]
+    noise = torch.stack([torch.randn((G, T, *final.shape[2:]), generator=gen) for gen in generators])
+    noise = noise.to(final.device).flatten(0, 2)  # (B G T, ...)
+    x0 = final.repeat_interleave(T, 1).flatten(0, 1)  # (B G T, ...)
+    sigma = sigmas[steps.flatten()].to(final.device)  # (B G T,)
     s = sigma.view(-1, *[1] * (x0.dim() - 1))
     x = (1 - s) * x0 + s * noise  # x_s = (1 - s) x0 + s eps
-    index = torch.arange(B, device=final.device).repeat_interleave(G * K)  # (B G K,)
+    index = torch.arange(B, device=final.device).repeat_interleave(G * T)  # (B G T,)
     return x0, noise, x, sigma, index
 
 

@@ -37,24 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from advantage import integrate
-from methods.base import Method, check_sde_steps, per_member_noise
+from methods.base import Method, check_sde_steps, global_std_advantages, per_member_noise
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
 from sampler import sde_std_dev, sde_step
 
 FLUX = dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, kl_beta=0.0, lora_rank=64,
             lora_alpha=128.0, lora_feed_forward=True)  # the published FLUX.1 configs' sizes
-
-
-def global_std_advantages(scores, weights, adv_clip_max, ranks=None):
-    """scores: (B, 1, 1, G, R), weights: (R,) -> (B, 1, G). The weighted sum of the raw scores is the one reward
-    (multi_score); each group's mean is subtracted, and the std is that of every reward on every rank."""
-    reward = (scores * weights).sum(-1, keepdim=True)  # (B, 1, 1, G, 1)
-    every_rank = ranks.gather(reward) if ranks is not None else reward  # (world*B, 1, 1, G, 1)
-    std = every_rank.float().std(dim=(0, 3), keepdim=True, correction=0)  # (1, 1, 1, 1, 1), the population std
-    r = reward.float()
-    # A_i = (R_i - mean_group R) / (std_all R + 1e-4)
-    return integrate((r - r.mean(3, keepdim=True)) / (std.to(r.device) + 1e-4), adv_clip_max)  # (B, 1, G)
 
 
 def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):

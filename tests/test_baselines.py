@@ -18,7 +18,8 @@ from conftest import run_train
 from lab import flags
 from methods import METHODS
 from methods.dancegrpo import DanceGRPO, random_step_mask
-from methods.flow_grpo import FlowGRPO, FlowGRPOFast, global_std_advantages, random_window
+from methods.base import global_std_advantages
+from methods.flow_grpo import FlowGRPO, FlowGRPOFast, random_window
 from methods.mixgrpo import progressive_window
 from methods.trajectories import rollout_trajectories
 from sampler import Rollout, sde_kl, sde_std_dev, sde_step, sigma_schedule

@@ -617,7 +617,7 @@ def _plan(args, fake, log, mesh=None):
     # --- the shapes of one iteration -----------------------------------------------------------------------------
     world = args.gpus
     B = args.global_batch(world) // world  # prompts per rank
-    sigmas = sigma_schedule(args.num_steps, args.shift)
+    sigmas = sigma_schedule(args.num_steps, args.shift, args.sigma_grid)
     steps = method.trained_steps(0)
     prompts = ["a photograph of an astronaut riding a horse on the moon"] * B
     generators = prompt_generators(args.seed, 0, range(B))
