@@ -42,9 +42,8 @@ def sigma_schedule(num_steps: int, shift: float, grid: str = "linear") -> torch.
     """sigmas[0..N], 1 -> 0, the SD3 time shift sigma' = shift * s / (1 + (shift - 1) * s) of a grid s:
         linear: s = linspace(1, 0, N + 1)                       (the reference's; sigma_N = 0)
         sd3:    s = linspace(1, shift(1/1000), N), then sigma_N = 0
-                (diffusers' FlowMatchEulerDiscreteScheduler, whose last training sigma, itself shifted, ends the grid:
-                the grid of DiffusionNFT's and AWM's scripts; at N 10 its last nonzero sigma is 0.0089, the linear
-                grid's 0.25)"""
+                (diffusers' FlowMatchEulerDiscreteScheduler, whose last training sigma, itself shifted, ends the grid;
+                at N 10 its last nonzero sigma is 0.0089, the linear grid's 0.25)"""
     bend = lambda s: shift * s / (1 + (shift - 1) * s)  # noqa: E731
     if grid == "sd3":
         s = torch.linspace(1.0, bend(1 / 1000), num_steps, dtype=torch.float64)  # (N,)

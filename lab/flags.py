@@ -145,8 +145,8 @@ class TrainArgs:
     """SD3 time shift of the sigma schedule (reference 3)."""
     sigma_grid: Literal[SIGMA_GRIDS] = "linear"
     """The grid the shift bends (sampler.sigma_schedule): linear, shift(linspace(1, 0, N + 1)) (the reference's), or
-    sd3, shift(linspace(1, 1/1000, N)) then 0 (diffusers' FlowMatchEulerDiscreteScheduler: DiffusionNFT's and AWM's
-    scripts). Rollouts, updates and held-out evaluations all sample on it."""
+    sd3, shift(linspace(1, shift(1/1000), N)) then 0 (diffusers' FlowMatchEulerDiscreteScheduler's; a method's
+    presets say which grid its authors sample on). Rollouts, updates and held-out evaluations all sample on it."""
     eta: float = 0.7
     """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; a method's recipe sets its
     authors' own, docs/methods.md)."""
