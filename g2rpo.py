@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage import granular_advantages
-from methods.base import Method, check_sde_steps, member_log_probs, optimizer_step, ratio_stats, update_stats
-from sampler import granular_schedule, rollout_g2rpo, sde_kl, sde_std_dev, sde_step
+from methods.base import Method, SDEStep, check_sde_steps, member_log_probs, optimizer_step, ratio_stats, update_stats
+from sampler import granular_schedule, rollout_g2rpo
 
 
 def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None):
@@ -80,7 +80,7 @@ def step_loss_backward(method, ctx, rollout, advantages, ki, loss_scale=1.0):
 
 
 @dataclass
-class G2RPO(Method):
+class G2RPO(Method, SDEStep):
     """G2RPO (arXiv 2510.01982): singular stochastic sampling, multi-granularity advantages, the clipped update.
 
     The fields are the values the method reads: the run's flags (methods/base.py's, and --sde-steps), then its own,
@@ -104,7 +104,7 @@ class G2RPO(Method):
 
     def problem(self, num_steps):
         """Why these values cannot run, in one line, or None."""
-        problem = check_sde_steps(self.sde_steps, num_steps)
+        problem = check_sde_steps(self.sde_steps, num_steps) or self.sde_type_problem(self.sde_steps, num_steps)
         if problem:
             return problem
         if not self.granularities or min(self.granularities) < 1 or \
@@ -125,15 +125,8 @@ class G2RPO(Method):
                       for same in seen.values() if len(same) > 1]
         return lines
 
-    # ALGO LOGIC: the three steps of an iteration, and the SDE step they share
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        """The SDE step of the rollout, and of the update's re-scoring (`sampler.sde_step` at this eta)."""
-        return sde_step(latents, velocity, sigmas, i, self.eta, noise, next_latents)
-
-    def kl(self, velocity, base_velocity, sigmas, i):
-        """The step's KL to the base model (`sampler.sde_kl`), per sample: (n,)."""
-        return sde_kl(velocity, base_velocity, sigmas, i, sde_std_dev(sigmas, i, self.eta))
-
+    # ALGO LOGIC: the three steps of an iteration (the SDE step they share, `step`, and its `kl` are SDEStep's:
+    # sampler.sde_step at this eta, or --sde-type cps)
     def trained_steps(self, iteration):
         """M, the same every iteration."""
         return self.sde_steps
@@ -143,7 +136,7 @@ class G2RPO(Method):
         (`sampler.rollout_g2rpo`). noise: (B, ...) one x_T per prompt."""
         return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=self.group_size, sde_steps=steps,
                              granularities=self.granularities, eta=self.eta, max_batch=self.max_batch,
-                             image_only_fn=image_only_fn)
+                             image_only_fn=image_only_fn, sde_type=self.sde_type)
 
     def advantages(self, scores, weights, ranks=None):
         """scores: (B, J, K, G, R) -> A[i, k] (B, K, G): each (reward, granularity, step) normalised in its group,

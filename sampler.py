@@ -7,6 +7,11 @@ so an Euler (ODE) step from sigma to sigma_next is x + (sigma_next - sigma) * v,
 The SDE step (paper Eq. 4-5), from sigma to sigma_next = sigma + dt (dt < 0), with noise scale std_dev:
     mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
     std  = std_dev * sqrt(-dt),      std_dev = eta * sqrt(sigma / (1 - sigma)),      x_next ~ N(mean, std^2)
+Every SDE method may take instead the coefficients-preserving step (CPS; Wang & Yu 2025, arXiv 2509.05952), which
+keeps the noise of x_next at exactly sigma_next: from x0_hat = x - sigma v and eps_hat = x + (1 - sigma) v,
+    mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat,      std = sigma_next sin(eta pi / 2)
+and, as its authors score it, log p = -|x_next - mean|^2 (averaged): the Gaussian's without its constant and its
+1 / (2 std^2), so a ratio of two CPS log-probs is on another scale than the flow step's (hence its own clip range).
 
 G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   1. one initial noise x_T shared by the G group members;
@@ -36,6 +41,7 @@ import torch
 
 
 SIGMA_GRIDS = ("linear", "sd3")  # --sigma-grid
+SDE_TYPES = ("flow", "cps")  # a method's --sde-type: the SDE step above, or the coefficients-preserving one
 
 
 def sigma_schedule(num_steps: int, shift: float, grid: str = "linear") -> torch.Tensor:
@@ -74,23 +80,47 @@ def sde_mean_std(x, v, sigmas, i, std_dev):
     return mean, std_dev * math.sqrt(-dt)
 
 
-def gaussian_step(mean, std, noise=None, next_latents=None):
+def cps_mean_std(x, v, sigmas, i, eta):
+    """The coefficients-preserving step from sigmas[i] to sigmas[i + 1]: (mean, std) of x_next given x and v (fp32).
+        mean = (1 - sigma') (x - sigma v) + sqrt(sigma'^2 - std^2) (x + (1 - sigma) v),   std = sigma' sin(eta pi / 2)
+    so x_next = mean + std * noise carries noise of std sigma' in all, as the schedule's x_sigma' does (eta <= 1)."""
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    std = sigma_next * math.sin(eta * math.pi / 2)
+    mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
+    return mean, std
+
+
+def step_mean_std(x, v, sigmas, i, std_dev, sde_type="flow", eta=None):
+    """(mean, std) of the step of `sde_type` (SDE_TYPES): the flow step at noise scale `std_dev` (`sde_mean_std`), or
+    the CPS step at `eta` (`cps_mean_std`)."""
+    if sde_type == "cps":
+        return cps_mean_std(x, v, sigmas, i, eta)
+    return sde_mean_std(x, v, sigmas, i, std_dev)
+
+
+def gaussian_step(mean, std, noise=None, next_latents=None, sde_type="flow"):
     """Sample x_next = mean + std * noise, or, given `next_latents`, score that stored sample instead (the update
-    re-evaluates rollouts this way). Returns (next_latents, log_prob (batch,))."""
+    re-evaluates rollouts this way). Returns (next_latents, log_prob (batch,)); sde_type "cps" scores it as the CPS
+    authors do, -|x_next - mean|^2."""
     if next_latents is None:
         next_latents = mean + std * (torch.randn_like(mean) if noise is None else noise.float())
     next_latents = next_latents.float()
-    # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of the
-    # log-ratio, and so the meaning of the clip range (1e-4 in the reference)
-    log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    if sde_type == "cps":
+        # the Gaussian's log-density less its constant and times 2 std^2 (the std is the old and the new policy's
+        # alike, so the ratio keeps its sign, not its size). The step into sigma 0 has std 0: its sample scores 0
+        log_prob = -((next_latents - mean) ** 2)
+    else:
+        # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of
+        # the log-ratio, and so the meaning of the clip range (1e-4 in the reference)
+        log_prob = -((next_latents - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
     return next_latents, log_prob.mean(dim=tuple(range(1, mean.ndim)))  # (batch,)
 
 
-def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
+def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None, sde_type="flow"):
     """One step from sigmas[i] to sigmas[i + 1]: returns (next_latents, log_prob (batch,) or None when eta == 0).
 
-    x_next = mean + std * noise with the (mean, std) of `sde_mean_std` at std_dev = `sde_std_dev`. Given
-    `next_latents`, nothing is sampled: the stored step is scored.
+    x_next = mean + std * noise with the (mean, std) of `sde_mean_std` at std_dev = `sde_std_dev` (sde_type "cps":
+    of `cps_mean_std`). Given `next_latents`, nothing is sampled: the stored step is scored.
     """
     # fp32 whatever the model's dtype, so the update re-scores a stored step with the rollout's arithmetic. This
     # alone does not make the first ratio 1: the velocity must also match, and the update computes it through the
@@ -100,8 +130,9 @@ def sde_step(latents, velocity, sigmas, i, eta, noise=None, next_latents=None):
     x, v = latents.float(), velocity.float()
     if eta == 0:
         return x + (float(sigmas[i + 1]) - float(sigmas[i])) * v, None  # plain Euler ODE step; no log-prob
-    mean, std = sde_mean_std(x, v, sigmas, i, sde_std_dev(sigmas, i, eta))
-    return gaussian_step(mean, std, noise, next_latents)
+    std_dev = sde_std_dev(sigmas, i, eta) if sde_type == "flow" else None
+    mean, std = step_mean_std(x, v, sigmas, i, std_dev, sde_type, eta)
+    return gaussian_step(mean, std, noise, next_latents, sde_type)
 
 
 def sde_kl(velocity, base_velocity, sigmas, i, std_dev):
@@ -115,6 +146,18 @@ def sde_kl(velocity, base_velocity, sigmas, i, std_dev):
     dt = sigma_next - sigma
     mean_gap = (velocity.float() - base_velocity.float()) * (1 + std_dev**2 * (1 - sigma) / (2 * sigma)) * dt
     kl = mean_gap**2 / (2 * std_dev**2 * -dt)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
+
+
+def cps_kl(velocity, base_velocity, sigmas, i, eta):
+    """KL(policy step || base model step) of the CPS step, per sample (batch,): the same std, and means that differ
+    through v's coefficient c = -(1 - sigma') sigma + sqrt(sigma'^2 - std^2) (1 - sigma) in `cps_mean_std`:
+    KL = |(v - v_base) c|^2 / (2 std^2); the step into sigma 0 has no noise, and no KL is taken there (0)."""
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    std = sigma_next * math.sin(eta * math.pi / 2)
+    c = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
+    mean_gap = (velocity.float() - base_velocity.float()) * c
+    kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
@@ -174,6 +217,8 @@ class Rollout:
     granularities:  the J strides of the completions ([] where there is one image per trajectory)
     nfe, calls:     image-forwards and velocity calls of the whole rollout
     image_only_nfe: how many of those forwards went to `image_only_fn` (0 without one)
+    old_means:      (B, K, G, ...) the Gaussian mean of each member's trained step at sampling time, kept for a method
+                    that compares the old and the new step's distributions (methods/flow_dppo.py), else None
     """
 
     start_latents: torch.Tensor
@@ -186,6 +231,7 @@ class Rollout:
     nfe: int
     calls: int
     image_only_nfe: int = 0
+    old_means: torch.Tensor | None = None
 
 
 def prompt_noise(generators, shape, device):
@@ -212,7 +258,8 @@ def ode_sample(velocity_fn, noise, sigmas, *, max_batch=64, prompt_index=None):
 # The G2RPO rollout as the paper states it: one prompt at a time, one member at a time, batch-1 forwards.
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta):
+def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta,
+                        sde_type="flow"):
     """The paper's procedure loop for loop (and the reference code's cost: the SDE-step forward is recomputed for
     every member, every completion runs on its own). The arguments of `rollout_g2rpo` but its two speed options
     (every forward is batch 1, on `velocity_fn`): the same noise and the same `Rollout`; slow, for reading and for
@@ -235,7 +282,8 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
             for member in range(G):
                 # 3. singular stochastic sampling: ONE SDE step from anchor[k]
                 v = forward(anchor[k], sigmas[k : k + 1].to(device), prompt)  # (1, ...)
-                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1])
+                x_next, log_prob = sde_step(anchor[k], v, sigmas, k, eta, noise=member_noise[member : member + 1],
+                                            sde_type=sde_type)
                 next_latents[b, ki, member], old_log_probs[b, ki, member] = x_next[0], log_prob[0]
                 # 4. multi-granularity completion: an ODE from x_{k+1} on each granularity's schedule
                 for j, g in enumerate(granularities):
@@ -256,10 +304,11 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64,
-                  image_only_fn=None):
+                  image_only_fn=None, sde_type="flow"):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
     generators: B CPU torch.Generator, one per prompt, for its members' SDE noise. image_only_fn: the velocity of
-    the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`).
+    the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`). sde_type: the branching
+    step's (SDE_TYPES).
 
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
@@ -281,7 +330,7 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
     for k in sde_steps:
         member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
         x_next, log_prob = sde_step(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
-                                    sigmas, k, eta, noise=member_noise)  # (B*G, ...), (B*G,)
+                                    sigmas, k, eta, noise=member_noise, sde_type=sde_type)  # (B*G, ...), (B*G,)
         next_latents.append(x_next.view(B, G, *shape))
         old_log_probs.append(log_prob.view(B, G))
 

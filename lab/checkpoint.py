@@ -368,7 +368,8 @@ def incompatible(saved: dict, current: dict, defaults: dict, keys):
         for key, value in axes.items():
             if value is not None and key in saved and json.dumps(saved[key]) != json.dumps(value):
                 return key, saved[key], f"{value} (all that --method {method} runs now)"
-        saved = {**saved, "method": method}
+        # an axis checked here says no more (one a flag again, --sde-type, ran at its method's default then)
+        saved = {**{k: v for k, v in saved.items() if axes.get(k) is None}, "method": method}
     if saved.get("model_path") and os.path.isdir(saved["model_path"]) and os.path.isdir(current.get("model_path", "")) \
             and os.path.samefile(saved["model_path"], current["model_path"]):  # the same folder, spelled otherwise
         saved = {**saved, "model_path": current["model_path"]}

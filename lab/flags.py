@@ -388,19 +388,22 @@ def method_of(args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def recipe_values(method: str, model: str, num_steps: int) -> dict:
+def recipe_values(method: str, model: str, num_steps: int, sde_type=None) -> dict:
     """Every value --method sets under --model, for a run of `num_steps` steps: the method's recipe (on every
-    --model), its values for this --model (its published sizes on flux), and the values that follow N."""
+    --model), its values for this --model (its published sizes on flux), those of its --sde-type `sde_type` there
+    (None: its default's; a CPS step's clip range), and the values that follow N."""
     cls = METHODS[method]
     values = {**cls.recipe, **cls.presets.get(model, {})}
+    values.update(getattr(cls, "per_sde_type", {}).get(sde_type, {}).get(model, {}))
     values.update({name: rule(num_steps) for name, rule in cls.per_steps.items()})
     return values
 
 
-def method_defaults(model: str, method: str) -> dict:
-    """The defaults under --model and --method: the recipe over the preset, each where the method has that flag."""
+def method_defaults(model: str, method: str, sde_type=None) -> dict:
+    """The defaults under --model and --method (and a method's --sde-type): the recipe over the preset, each where
+    the method has that flag."""
     names = {f.name for f in dataclasses.fields(TrainArgs)} | set(own_flags(method))
-    values = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method))}
+    values = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method), sde_type)}
     return {name: value for name, value in values.items() if name in names}
 
 
@@ -437,7 +440,7 @@ def _given(argv, name: str) -> bool:
 REMOVED = {
     "--sampling": "use --method full-sde for whole SDE trajectories, or a peer's --method (docs/methods.md)",
     **{name: "each method now runs its own, as its authors do; choose the --method (docs/methods.md)"
-       for name in ("--sde-type", "--decode", "--adv-std", "--same-noise", "--no-same-noise", "--kl-form",
+       for name in ("--decode", "--adv-std", "--same-noise", "--no-same-noise", "--kl-form",
                     "--reward-fusion", "--window-schedule")},
 }
 
@@ -528,7 +531,8 @@ def parse_args(argv=None, base=None):
         if name.startswith("--") and name not in known | {"--help"}:
             fail(f"unknown flag {name}" + (f": {REMOVED[name]}" if name in REMOVED else
                                             f" for --method {method}; see python train.py --method {method} --help"))
-    args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method)),
+    sde_type = _choice(argv, "--sde-type", None) if "sde_type" in own_flags(method) else None
+    args = tyro.cli(cls, args=argv, default=cls(model=model, method=method, **method_defaults(model, method, sde_type)),
                     description=description(base))
     # the recipe's values that follow N, for the N this run has (a --num-steps given), unless given themselves
     for name, rule in METHODS[method].per_steps.items():
@@ -560,10 +564,11 @@ def _preset_steps(model: str, method: str) -> int:
         "num_steps", TrainArgs.num_steps)
 
 
-def preset(model: str, method: str = DEFAULT_METHOD) -> dict:
-    """Every flag's value under `--model model --method method` and no other flag: the recipe over the preset over
-    the defaults."""
-    return dataclasses.asdict(args_class(method)(model=model, method=method, **method_defaults(model, method)))
+def preset(model: str, method: str = DEFAULT_METHOD, sde_type=None) -> dict:
+    """Every flag's value under `--model model --method method` (and its --sde-type) and no other flag: the recipe
+    over the preset over the defaults."""
+    return dataclasses.asdict(args_class(method)(model=model, method=method,
+                                                 **method_defaults(model, method, sde_type)))
 
 
 def changed_from_preset(args) -> list[str]:
@@ -571,7 +576,7 @@ def changed_from_preset(args) -> list[str]:
     (not its seed, folder, cache, logging or run management)."""
     ignored = {"seed", "output_dir", "tiny_cache", "resume", "overwrite", "log_with", "run_name", "tracker_project",
                "dist_timeout_minutes", "max_faults", "checkpoint_every", "max_batch", "reward_batch_size"}
-    defaults = preset(args.model, args.method)
+    defaults = preset(args.model, args.method, getattr(args, "sde_type", None))
     # the preset's held-out rewards less those this run trains on, as parse_args leaves them when none are given
     defaults["eval_rewards"] = held_out_less_trained(defaults["eval_rewards"], args.rewards)
     return [flag(k) for k, v in dataclasses.asdict(args).items() if k not in ignored and defaults.get(k) != v]

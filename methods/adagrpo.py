@@ -44,7 +44,8 @@ from typing import Literal
 import torch
 
 from methods import REGISTRY
-from methods.base import Batch, Method
+from methods.base import Batch, Method, SDEStep
+from sampler import SDE_TYPES
 
 BASES = ("own", *(name for name in REGISTRY if name != "adagrpo"))
 
@@ -104,7 +105,7 @@ def with_global_advantage(advantages, scores, weights, curriculum, adv_clip_max)
 
 
 @dataclass
-class AdaGRPO(Method):
+class AdaGRPO(Method, SDEStep):
     """AdaGRPO: the run's flags it reads (methods/base.py's, --sde-steps, and --num-steps and --seed, which a base
     method may read), then its own (train.py's under --method adagrpo). Its state: the curriculum's moving mean
     and variance, and the base method's, if any."""
@@ -130,6 +131,8 @@ class AdaGRPO(Method):
     """The method the curriculum and the cross-level advantage plug into: own (G2RPO's rollout with the authors'
     on-policy loss: --method pavegrpo without sub-steps), or another --method's rollout, advantage and update, its
     own flags at their defaults."""
+    sde_type: Literal[SDE_TYPES] | None = field(default=None, kw_only=True)
+    """The base method's SDE step (its --sde-type: flow or cps); None: the base method's default."""
 
     # scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
     presets = {
@@ -152,7 +155,7 @@ class AdaGRPO(Method):
 
         cls = METHODS["pavegrpo" if self.adagrpo_base == "own" else self.adagrpo_base]
         self.base = cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
-                           if f.name in self.__dataclass_fields__},
+                           if f.name in self.__dataclass_fields__ and getattr(self, f.name) is not None},
                         **({"sub_steps": []} if self.adagrpo_base == "own" else {}))
 
     def problem(self, num_steps):

@@ -52,11 +52,12 @@ per member), (...) a latent.
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
 from advantage import integrate
+from sampler import SDE_TYPES, cps_kl, gaussian_step, sde_kl, sde_std_dev, step_mean_std
 
 
 @dataclass
@@ -179,6 +180,53 @@ class Method:
         if not rollout.sde_steps:
             return "this iteration trains no SDE step"
         return sde_check_loss(velocity_fn, rollout, sigmas, self.step)
+
+
+@dataclass(kw_only=True)
+class SDEStep:
+    """What every method that samples SDE steps shares: its --sde-type, and the step, mean and KL of that type. A
+    method derives from it and from `Method`; its flow step is sampler.sde_step's at its eta, unless it redefines
+    `std_dev` (DanceGRPO's constant noise scale). `per_sde_type`: {sde_type: {model: values}}, the values another
+    --sde-type sets under --model unless given (the clip range its log-prob's scale needs, and whose it is)."""
+
+    sde_type: Literal[SDE_TYPES] = "flow"
+    """The SDE step: flow (the method's Gaussian step) or cps (coefficients-preserving: the noise after a step
+    stays the schedule's sigma', std sigma' sin(eta pi / 2), eta in (0, 1]; its log-prob -|x' - mean|^2 drops the
+    Gaussian's 1 / (2 std^2), so ratios change on another scale: --model flux sets the method's CPS clip range)."""
+
+    # no FLUX.1 run of G2RPO, DanceGRPO or MixGRPO with CPS is published: theirs is Flow-GRPO's CPS configs' clip
+    # range and eta (`*_fast_nocfg`: 1e-5, 0.8; Flow-Factory's CPS recipes take 1e-4 at the same eta)
+    per_sde_type = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}
+
+    def sde_type_problem(self, trained_steps=(), num_steps=0):
+        """Why the step type cannot run these values, in one line, or None."""
+        if self.sde_type == "cps" and not 0 < self.eta <= 1:
+            return (f"--eta {self.eta} with --sde-type cps: its noise std is sigma' sin(eta pi / 2), so eta lies in "
+                    f"(0, 1] (Flow-GRPO-Fast 0.8)")
+        if self.sde_type == "cps" and num_steps - 1 in trained_steps:
+            return (f"--sde-type cps samples no noise on the last step (into sigma 0), so step {num_steps - 1} "
+                    f"cannot be trained; keep it out of the trained steps (--sde-steps, or a window's)")
+        return None
+
+    def std_dev(self, sigmas, i):
+        """The flow step's noise scale at step i: eta sqrt(sigma / (1 - sigma)) (sampler.sde_std_dev)."""
+        return sde_std_dev(sigmas, i, self.eta)
+
+    def mean_std(self, latents, velocity, sigmas, i):
+        """(mean, std) of the step from sigmas[i] given x and v, fp32 (sampler.step_mean_std)."""
+        std_dev = self.std_dev(sigmas, i) if self.sde_type == "flow" else None
+        return step_mean_std(latents.float(), velocity.float(), sigmas, i, std_dev, self.sde_type, self.eta)
+
+    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
+        """Sample the step from sigmas[i], or score `next_latents`: (next_latents, log_prob (batch,))."""
+        mean, std = self.mean_std(latents, velocity, sigmas, i)
+        return gaussian_step(mean, std, noise, next_latents, self.sde_type)
+
+    def kl(self, velocity, base_velocity, sigmas, i):
+        """The step's KL to the base model's, per sample (n,) (sampler.sde_kl, sampler.cps_kl)."""
+        if self.sde_type == "cps":
+            return cps_kl(velocity, base_velocity, sigmas, i, self.eta)
+        return sde_kl(velocity, base_velocity, sigmas, i, self.std_dev(sigmas, i))
 
 
 # ---------------------------------------------------------------------------------------------------------------

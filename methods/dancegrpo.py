@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from advantage import granular_advantages
-from methods.base import Method, check_sde_steps
+from methods.base import Method, SDEStep, check_sde_steps
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
-from sampler import gaussian_step, sde_kl, sde_mean_std
 
 
 def random_step_mask(generators, num_steps, group_size, fraction):
@@ -47,7 +46,7 @@ def random_step_mask(generators, num_steps, group_size, fraction):
 
 
 @dataclass
-class DanceGRPO(Method):
+class DanceGRPO(Method, SDEStep):
     """DanceGRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's flags
     under --method dancegrpo)."""
 
@@ -72,7 +71,7 @@ class DanceGRPO(Method):
                   step_per_sde_step=False)
 
     def problem(self, num_steps):
-        problem = check_sde_steps(self.sde_steps, num_steps)
+        problem = check_sde_steps(self.sde_steps, num_steps) or self.sde_type_problem(self.sde_steps, num_steps)
         if problem:
             return problem
         if not 0 < self.timestep_fraction <= 1:
@@ -85,14 +84,9 @@ class DanceGRPO(Method):
         return None
 
     # ALGO LOGIC
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        """DanceGRPO's SDE step: the SDE mean and std at a constant std_dev = eta."""
-        x, v = latents.float(), velocity.float()
-        mean, std = sde_mean_std(x, v, sigmas, i, std_dev=self.eta)  # (n, ...), float
-        return gaussian_step(mean, std, noise, next_latents)
-
-    def kl(self, velocity, base_velocity, sigmas, i):
-        return sde_kl(velocity, base_velocity, sigmas, i, std_dev=self.eta)
+    def std_dev(self, sigmas, i):
+        """DanceGRPO's SDE step: the flow step's mean and std at a constant std_dev = eta (SDEStep's step and KL)."""
+        return self.eta
 
     def trained_steps(self, iteration):
         return self.sde_steps

@@ -14,10 +14,10 @@ From the authors' `yifan123/flow_grpo` (`config/grpo.py` `pickscore_flux` and th
   - G 24, 6 steps, 512^2, clip 1e-4, LoRA r64 alpha 128 on attention and feed-forward, lr 3e-4, 2 optimizer
     steps an iteration.
 Flow-GRPO-Fast samples SDE steps only inside a window of 3 steps drawn each iteration within 0..N/2 - 1, ODE
-elsewhere, and trains the window alone, with the coefficients-preserving SDE (CPS, Wang & Yu 2025), eta 0.8:
-        x0_hat = x - sigma v,   eps_hat = x + (1 - sigma) v,   std = sigma' sin(eta pi / 2)
-        mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat,   log p = -|x' - mean|^2 (averaged)
-Its log-prob has no constant and no 1 / (2 std^2), hence its clip range of 1e-5.
+elsewhere, and trains the window alone, with the coefficients-preserving step (`--sde-type cps`, sampler.py's
+`cps_mean_std`), eta 0.8. Its log-prob has no constant and no 1 / (2 std^2), hence its clip range of 1e-5; either
+method's other --sde-type on --model flux takes the other's values (`per_sde_type`: the authors' configs with and
+without CPS, `*_fast_nocfg` and `pickscore_flux`).
 
 Differences from the authors' code:
   1. It splits an epoch's batches in two for its two optimizer steps; this project splits each group's members.
@@ -32,14 +32,14 @@ Run it:
     python train.py --model tiny --method flow-grpo          (or --method flow-grpo-fast)
     python train.py --model flux --method flow-grpo          # LoRA r64: one GPU
 """
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from methods.base import Method, check_sde_steps, global_std_advantages, per_member_noise
+from methods.base import Method, SDEStep, check_sde_steps, global_std_advantages, per_member_noise
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
-from sampler import sde_std_dev, sde_step
+from sampler import SDE_TYPES, sde_std_dev
 
 FLUX = dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, kl_beta=0.0, lora_rank=64,
             lora_alpha=128.0, lora_feed_forward=True)  # the published FLUX.1 configs' sizes
@@ -55,20 +55,6 @@ def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
 
 
-def cps_std(sigmas, i, eta):
-    """The coefficients-preserving step's noise std: sigma' sin(eta pi / 2)."""
-    return float(sigmas[i + 1]) * math.sin(eta * math.pi / 2)
-
-
-def cps_mean_std(x, v, sigmas, i, eta):
-    """The coefficients-preserving step's (mean, std): the noise level after it is sigma' in total."""
-    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-    std = cps_std(sigmas, i, eta)
-    # x' = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat + std noise
-    mean = (1 - sigma_next) * (x - sigma * v) + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (x + (1 - sigma) * v)
-    return mean, std
-
-
 def random_window(iteration, *, num_steps, size, end, seed):
     """Flow-GRPO-Fast's window: `size` consecutive steps drawn afresh each iteration from (seed, iteration),
     within steps 0..end - 1 (end 0: N)."""
@@ -78,7 +64,7 @@ def random_window(iteration, *, num_steps, size, end, seed):
 
 
 @dataclass
-class FlowGRPO(Method):
+class FlowGRPO(Method, SDEStep):
     """Flow-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
     --method flow-grpo)."""
 
@@ -93,27 +79,28 @@ class FlowGRPO(Method):
     per_step_advantages = False
     recipe = dict(eta=0.9)
     presets = {"flux": dict(FLUX, clip_range=1e-4)}
+    per_sde_type = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}  # the authors' *_fast_nocfg configs with CPS
     per_steps = dict(sde_steps=all_but_last)
     legacy = dict(sampling="full", adv_std="global", same_noise=False, kl_form="flow-grpo", reward_fusion="score",
                   member_chunks=None, step_per_sde_step=False)  # (methods/base.py)
 
     def problem(self, num_steps):
-        problem = check_sde_steps(self.sde_steps, num_steps)
+        problem = check_sde_steps(self.sde_steps, num_steps) or self.sde_type_problem(self.sde_steps, num_steps)
         if problem:
             return problem
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
         return None
 
-    # ALGO LOGIC
+    # ALGO LOGIC (the SDE step is SDEStep's: G2RPO's, or --sde-type cps)
     def initial_noise(self, draw, generators):
         """Each member its own x_T (`same_latent=False`): (B, G, ...)."""
         return per_member_noise(draw, generators, self.group_size)
 
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        return sde_step(latents, velocity, sigmas, i, self.eta, noise, next_latents)
-
     def kl(self, velocity, base_velocity, sigmas, i):
+        """Its kl_loss on the flow step (`flow_grpo_kl`); the exact KL on the CPS step (sampler.cps_kl)."""
+        if self.sde_type == "cps":
+            return SDEStep.kl(self, velocity, base_velocity, sigmas, i)
         return flow_grpo_kl(velocity, base_velocity, sigmas, i, self.eta)
 
     def trained_steps(self, iteration):
@@ -136,7 +123,7 @@ class FlowGRPO(Method):
 
 
 @dataclass
-class FlowGRPOFast(Method):
+class FlowGRPOFast(Method, SDEStep):
     """Flow-GRPO-Fast: the run's flags it reads (methods/base.py's, --num-steps and --seed), then its own
     (train.py's under --method flow-grpo-fast)."""
 
@@ -151,19 +138,24 @@ class FlowGRPOFast(Method):
     """The window lies within steps 0..window_end - 1 (Flow-GRPO-Fast N // 2, which it follows by default); 0 = N."""
     member_chunks: int = 2
     """The members of each group split into this many chunks, one optimizer step each (Flow-GRPO-Fast 2)."""
+    sde_type: Literal[SDE_TYPES] = field(default="cps", kw_only=True)
+    """The SDE step: cps (coefficients-preserving, Flow-GRPO-Fast's: the noise after a step stays the schedule's
+    sigma', eta in (0, 1]; log-prob -|x' - mean|^2) or flow (Flow-GRPO's Gaussian step; --model flux then sets
+    Flow-GRPO's clip range and eta)."""
 
     per_step_advantages = False
     recipe = dict(eta=0.8)
     # its published FLUX sizes; on the tiny model's 8 steps, a window of 2
     presets = {"flux": dict(FLUX, clip_range=1e-5), "tiny": dict(window_size=2)}
+    per_sde_type = {"flow": {"flux": dict(clip_range=1e-4, eta=0.9)}}  # Flow-GRPO's pickscore_flux values
     per_steps = dict(window_end=lambda num_steps: num_steps // 2)
     legacy = dict(sampling="mixed", window_schedule="random", sde_type="cps", adv_std="global", same_noise=False,
                   kl_form="flow-grpo", reward_fusion="score", member_chunks=None, step_per_sde_step=False)
 
     def problem(self, num_steps):
-        if self.eta > 1:
-            return (f"--eta {self.eta}: the CPS step's noise std is sigma' sin(eta pi / 2), so eta lies in (0, 1] "
-                    f"(Flow-GRPO-Fast 0.8)")
+        problem = self.sde_type_problem(range(self.window_end or num_steps), num_steps)  # (steps the window may take)
+        if problem:
+            return problem
         if self.window_size < 1 or not self.window_size <= (self.window_end or num_steps) <= num_steps:
             return (f"--window-end {self.window_end}: a random window of --window-size {self.window_size} needs "
                     f"1 <= {self.window_size} <= window end <= --num-steps {num_steps} (0 = N)")
@@ -171,30 +163,7 @@ class FlowGRPOFast(Method):
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
         return None
 
-    # ALGO LOGIC
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        """The CPS step: sample or score; its log-prob -|x' - mean|^2, averaged over elements: (batch,)."""
-        x, v = latents.float(), velocity.float()
-        mean, std = cps_mean_std(x, v, sigmas, i, self.eta)  # (n, ...), float
-        if next_latents is None:
-            next_latents = mean + std * (torch.randn_like(x) if noise is None else noise.float())  # (n, ...)
-        next_latents = next_latents.float()
-        # the Gaussian's log-prob up to its constant and its 1 / (2 std^2) scale (std is the same under the old and
-        # the new policy, so the ratio keeps its sign but not its size). The last step (sigma' = 0) is deterministic:
-        # its sample scores 0 (and is never trained)
-        log_prob = -((next_latents - mean) ** 2)  # (n, ...)
-        return next_latents, log_prob.mean(dim=tuple(range(1, x.ndim)))  # (batch,)
-
-    def kl(self, velocity, base_velocity, sigmas, i):
-        """|mean - mean_ref|^2 / (2 std^2), v's coefficient in the CPS mean c = -(1 - sigma') sigma +
-        sqrt(sigma'^2 - std^2) (1 - sigma); no noise at sigma' = 0, so no KL there."""
-        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-        std = cps_std(sigmas, i, self.eta)
-        c = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
-        mean_gap = (velocity.float() - base_velocity.float()) * c
-        kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
-        return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
-
+    # ALGO LOGIC (the SDE step and its KL are SDEStep's, on --sde-type cps by default)
     def trained_steps(self, iteration):
         return random_window(iteration, num_steps=self.num_steps, size=self.window_size, end=self.window_end,
                              seed=self.seed)

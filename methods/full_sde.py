@@ -11,12 +11,12 @@ Run it:
 from dataclasses import dataclass
 
 from g2rpo import G2RPO
-from methods.base import Method, check_sde_steps
+from methods.base import Method, SDEStep, check_sde_steps
 from methods.trajectories import rollout_trajectories
 
 
 @dataclass
-class FullSDE(Method):
+class FullSDE(Method, SDEStep):
     """The run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under --method
     full-sde)."""
 
@@ -29,13 +29,13 @@ class FullSDE(Method):
 
     per_step_advantages = False  # one reward per trajectory
     legacy = dict(method="g2rpo", sampling="full")  # written before methods had files: G2RPO's --sampling full
-    # G2RPO's SDE step, KL, trained steps, advantage and update, borrowed rather than inherited: a subclass would
-    # inherit --granularities and G2RPO's notes, which whole trajectories have no use for
-    step, kl, trained_steps, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.advantages
+    # G2RPO's trained steps, advantage and update, borrowed rather than inherited (its SDE step is SDEStep's, as
+    # G2RPO's): a subclass would inherit --granularities and G2RPO's notes, which whole trajectories have no use for
+    trained_steps, advantages = G2RPO.trained_steps, G2RPO.advantages
     optimizer_steps, update = G2RPO.optimizer_steps, G2RPO.update
 
     def problem(self, num_steps):
-        return check_sde_steps(self.sde_steps, num_steps)
+        return check_sde_steps(self.sde_steps, num_steps) or self.sde_type_problem(self.sde_steps, num_steps)
 
     def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
         """G full SDE trajectories per prompt from its shared noise (B, ...), every step an SDE step."""

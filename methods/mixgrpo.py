@@ -26,9 +26,8 @@ Run it:
 from dataclasses import dataclass
 
 from advantage import granular_advantages
-from methods.base import Method
+from methods.base import Method, SDEStep
 from methods.trajectories import accumulated_update, rollout_trajectories
-from sampler import sde_kl, sde_std_dev, sde_step
 
 
 def progressive_window(iteration, *, num_steps, size, stride, every):
@@ -43,7 +42,7 @@ def progressive_window(iteration, *, num_steps, size, stride, every):
 
 
 @dataclass
-class MixGRPO(Method):
+class MixGRPO(Method, SDEStep):
     """MixGRPO: the run's flags it reads (methods/base.py's, and --num-steps), then its own (train.py's under
     --method mixgrpo)."""
 
@@ -80,15 +79,9 @@ class MixGRPO(Method):
             return f"--window-size {self.window_size} is longer than the schedule of --num-steps {num_steps}"
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
-        return None
+        return self.sde_type_problem()  # (its window never reaches the last step)
 
-    # ALGO LOGIC
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        return sde_step(latents, velocity, sigmas, i, self.eta, noise, next_latents)
-
-    def kl(self, velocity, base_velocity, sigmas, i):
-        return sde_kl(velocity, base_velocity, sigmas, i, sde_std_dev(sigmas, i, self.eta))
-
+    # ALGO LOGIC (the SDE step and its KL are SDEStep's: G2RPO's step, or --sde-type cps)
     def trained_steps(self, iteration):
         return progressive_window(iteration, num_steps=self.num_steps, size=self.window_size,
                                   stride=self.window_stride, every=self.window_every)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from g2rpo import G2RPO
-from methods.base import Method, member_log_probs, optimizer_step, ratio_stats, update_stats
+from methods.base import Method, SDEStep, member_log_probs, optimizer_step, ratio_stats, update_stats
 from sampler import sde_step
 
 
@@ -112,7 +112,7 @@ def series_update(method, ctx, rollout, advantages, counts):
 
 
 @dataclass
-class PaveGRPO(Method):
+class PaveGRPO(Method, SDEStep):
     """Pave-GRPO: the run's flags it reads (methods/base.py's, and --sde-steps), then its own (train.py's under
     --method pavegrpo)."""
 
@@ -137,9 +137,9 @@ class PaveGRPO(Method):
                  "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]},
         # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
         "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
-    # G2RPO's SDE step, KL, trained steps, rollout and advantage, borrowed (a subclass would inherit G2RPO's flags)
-    step, kl, trained_steps, rollout, advantages = G2RPO.step, G2RPO.kl, G2RPO.trained_steps, G2RPO.rollout, \
-        G2RPO.advantages
+    # G2RPO's trained steps, rollout and advantage, borrowed (a subclass would inherit G2RPO's flags); its SDE step
+    # and KL are SDEStep's, as G2RPO's
+    trained_steps, rollout, advantages = G2RPO.trained_steps, G2RPO.rollout, G2RPO.advantages
     notes = G2RPO.notes
 
     def problem(self, num_steps):

@@ -27,7 +27,8 @@ def all_but_last(num_steps: int) -> list:
 
 @torch.no_grad()
 def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, step_fn, max_batch,
-                         ode_elsewhere=False, per_member_noise=False, x0_image=False, image_only_fn=None):
+                         ode_elsewhere=False, per_member_noise=False, x0_image=False, image_only_fn=None,
+                         mean_fn=None):
     """G trajectories per prompt: an SDE step (`step_fn`) on every step, or only on `sde_steps` when
     `ode_elsewhere`; keeps the start latent, the sample and its log-prob at each step of `sde_steps`.
 
@@ -36,7 +37,8 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
     noise the members are identical until their first SDE step, so the steps before it run
     once per prompt. x0_image: the image is decoded from the x0_hat = x - sigma v of the last step rather than from
     its sample (DanceGRPO; the same latent when that step is ODE). image_only_fn: the velocity of the steps
-    outside `sde_steps` (default `velocity_fn`).
+    outside `sde_steps` (default `velocity_fn`). mean_fn(x, v, sigmas, i) -> (mean, std): given, each trained step's
+    Gaussian mean is kept too (`Rollout.old_means`).
     """
     B, G, device = noise.shape[0], group_size, noise.device
     shape = noise.shape[2:] if per_member_noise else noise.shape[1:]
@@ -57,7 +59,8 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         x_next, log_prob = step_fn(x, v, sigmas, i, noise=step_noise)  # (B*G, ...), (B*G,)
         if i in sde_steps:
             # (B, G, ...), (B, G, ...), (B, G)
-            trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G))
+            trained[i] = (x.view(B, G, *shape), x_next.view(B, G, *shape), log_prob.view(B, G),
+                          None if mean_fn is None else mean_fn(x, v, sigmas, i)[0].view(B, G, *shape))
         if x0_image and i == len(sigmas) - 2:
             x_next = x.float() - float(sigmas[i]) * v.float()  # x0_hat = x - sigma v of the last step: (B*G, ...)
         x = x_next
@@ -73,6 +76,7 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         old_log_probs=stack(2, x.new_zeros(B, G)),  # (B, K, G)
         final_latents=x.view(B, 1, 1, G, *shape),  # (B, 1, 1, G, ...)
         anchor_final=None, sde_steps=list(sde_steps), granularities=[],
+        old_means=None if mean_fn is None else stack(3, x.view(B, G, *shape)),  # (B, K, G, ...)
         **CountingVelocity.totals(forward, image_forward))
 
 

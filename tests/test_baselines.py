@@ -299,7 +299,8 @@ def test_a_method_lists_only_its_own_flags():
     # --granularities is G2RPO's, --member-chunks the peers', --window-size the windowed ones'
     assert {"granularities", "step_per_sde_step"} <= set(flags.own_flags("g2rpo"))
     assert not {"granularities", "member_chunks", "window_size"} & set(flags.own_flags("full-sde"))
-    assert set(flags.own_flags("mixgrpo")) == {"window_size", "window_stride", "window_every", "member_chunks"}
+    assert set(flags.own_flags("mixgrpo")) == {"window_size", "window_stride", "window_every", "member_chunks",
+                                               "sde_type"}
     # its own flags are resume keys; the common ones stay as they were
     assert "timestep_fraction" in flags.resume_keys("dancegrpo") and "seed" in flags.resume_keys("dancegrpo")
 
