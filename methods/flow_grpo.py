@@ -55,11 +55,15 @@ def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
 
 
+def iteration_draw(seed, iteration):
+    """The generator of an iteration's choice of steps, the same on every rank."""
+    return torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
+
+
 def random_window(iteration, *, num_steps, size, end, seed):
     """Flow-GRPO-Fast's window: `size` consecutive steps drawn afresh each iteration from (seed, iteration),
     within steps 0..end - 1 (end 0: N)."""
-    draw = torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
-    start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=draw))
+    start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=iteration_draw(seed, iteration)))
     return list(range(start, start + size))
 
 

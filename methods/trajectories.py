@@ -1,5 +1,5 @@
 """Whole trajectories: the rollout and the update that the peers share (DanceGRPO, Flow-GRPO, Flow-GRPO-Fast,
-MixGRPO, and G2RPO's full-SDE ablation).
+MixGRPO, Flow-DPPO, and G2RPO's full-SDE ablation).
 
 Where G2RPO branches its G members off one ODE anchor, these methods sample G whole trajectories per prompt, SDE
 steps on every step (DanceGRPO, Flow-GRPO) or only inside a window of steps with ODE steps elsewhere (MixGRPO,
@@ -80,12 +80,14 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
         **CountingVelocity.totals(forward, image_forward))
 
 
-def weighted_step_loss_backward(method, ctx, rollout, advantages, ki, weights):
+def weighted_step_loss_backward(method, ctx, rollout, advantages, ki, weights, policy_loss=None):
     """The clipped loss of trained step `ki` with a weight per member, back-propagated in micro-batches of at most
     `method.max_batch` start latents (as g2rpo.step_loss_backward, whose mean becomes a weighted sum). advantages
     and weights: (B, G); a member of weight 0 does not train this step, and a start latent none of whose members
-    trains it is not forwarded, unless other ranks forward more (`forwarded_rows`). Returns this step's statistics,
-    or None when no member of this rank trains it."""
+    trains it is not forwarded, unless other ranks forward more (`forwarded_rows`). policy_loss(ki, rows, velocity,
+    log_probs, old_log_probs, advantages, weights) -> the weighted sum of a micro-batch's losses, in place of PPO's
+    clipped one (Flow-DPPO's mask); rows index the (B*S,) start latents. Returns this step's statistics, or None
+    when no member of this rank trains it."""
     k = rollout.sde_steps[ki]
     B, S, G = rollout.start_latents.shape[0], rollout.start_latents.shape[2], advantages.shape[1]
     members = G // S  # members scored by one forward
@@ -102,8 +104,12 @@ def weighted_step_loss_backward(method, ctx, rollout, advantages, ki, weights):
         sigma = ctx.sigmas[k].expand(len(micro_batch)).to(x.device)  # (n,)
         velocity = ctx.velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
         log_probs = member_log_probs(method.step, x, velocity, targets[micro_batch], ctx.sigmas, k)  # (n, G/S)
-        batch_loss = clipped_loss(log_probs, old_log_probs[micro_batch], advantages[micro_batch], method.clip_range,
-                                  w)
+        if policy_loss is None:
+            batch_loss = clipped_loss(log_probs, old_log_probs[micro_batch], advantages[micro_batch],
+                                      method.clip_range, w)
+        else:
+            batch_loss = policy_loss(ki, micro_batch, velocity, log_probs, old_log_probs[micro_batch],
+                                     advantages[micro_batch], w)
         if method.kl_beta > 0:  # the method's KL to the base model's step, weighted as its members
             with torch.no_grad():
                 base = ctx.base_velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
@@ -128,7 +134,7 @@ def forwarded_rows(weights, ranks=None):
     return torch.cat([rows[active], rows[~active]])[:count].sort().values  # (count,)
 
 
-def accumulated_update(method, ctx, rollout, advantages, train_mask=None):
+def accumulated_update(method, ctx, rollout, advantages, train_mask=None, policy_loss=None):
     """The update of the whole-trajectory peers: the G members of each group split into `method.member_chunks`
     chunks, one optimizer step each on the gradient accumulated over the chunk's (member, trained step) pairs.
 
@@ -137,7 +143,8 @@ def accumulated_update(method, ctx, rollout, advantages, train_mask=None):
     train_mask: None (every member trains every step) or (B, K, G) bool, the steps each member trains. `method`
     gives the hyperparameters (clip_range, max_batch, kl_beta, inner_epochs, max_grad_norm, member_chunks) and the
     step and KL formulas (`step`, `kl`): every peer shares this loop and brings its own formulas to it. ctx:
-    methods.base.UpdateContext (its ranks make every rank's calls the same). Returns `methods.base.update_stats`.
+    methods.base.UpdateContext (its ranks make every rank's calls the same). policy_loss: another loss than PPO's
+    clipped one (`weighted_step_loss_backward`). Returns `methods.base.update_stats`.
     """
     B, K, G = advantages.shape
     if K == 0:  # an empty window (MixGRPO's, once a cycle) trains nothing
@@ -157,6 +164,7 @@ def accumulated_update(method, ctx, rollout, advantages, train_mask=None):
                 continue
             for ki in range(K):
                 weights = pairs[:, ki].float() * world / total  # (B, G)
-                per_step.append(weighted_step_loss_backward(method, ctx, rollout, advantages[:, ki], ki, weights))
+                per_step.append(weighted_step_loss_backward(method, ctx, rollout, advantages[:, ki], ki, weights,
+                                                            policy_loss))
             grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, method.max_grad_norm))
     return update_stats(per_step, grad_norms, per_optimizer_step=True)

@@ -254,6 +254,10 @@ TABLE = {
                            lora_rank=64, member_chunks=2),
     "mixgrpo": dict(window_size=4, window_every=25, window_stride=1, group_size=12, num_steps=25, eta=0.7, lr=1e-5,
                     clip_range=1e-4, kl_beta=0.0, member_chunks=4),
+    # Flow-Factory's SD3.5-M recipe (no FLUX.1 one is published), on FLUX.1's guidance
+    "flow-dppo": dict(group_size=16, num_steps=10, eta=0.7, sde_type="cps", lr=3e-4, kl_beta=1e-3, lora_rank=32,
+                      lora_alpha=64.0, sigma_grid="sd3", resolution=512, prompts_per_iteration=64, ema_decay=0.9,
+                      ema_every=4, kl_mask_threshold=1e-6, sde_draws=3, sde_window=6, member_chunks=2),
     # the G2RPO series (tests/test_series.py tests their formulas): scripts/train_pavegrpo.sh, train_adagrpo.sh
     "pavegrpo": dict(group_size=12, num_steps=16, eta=0.8, lr=2e-6, sde_steps=[0, 2, 4, 6], resolution=512,
                      lora_rank=0, sub_steps=[2, 3], granularities=[1], rewards=["hpsv3=1.0"], num_iterations=300),
@@ -265,7 +269,8 @@ TABLE = {
 FIXED = {"dancegrpo": dict(shared_noise=True, per_step_advantages=False),
          "flow-grpo": dict(shared_noise=False, per_step_advantages=False),
          "flow-grpo-fast": dict(shared_noise=False, per_step_advantages=False),
-         "mixgrpo": dict(shared_noise=True, per_step_advantages=False)}
+         "mixgrpo": dict(shared_noise=True, per_step_advantages=False),
+         "flow-dppo": dict(shared_noise=False, per_step_advantages=False)}
 
 
 @pytest.mark.parametrize("method", list(TABLE))
@@ -339,7 +344,7 @@ def stopped_after_one(straight, resumed):
         f.writelines(lines[:2])
 
 
-@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo"])
+@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo", "flow-dppo"])
 def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     common = [*SMALL, "--tiny-cache", tiny_cache, "--method", method]

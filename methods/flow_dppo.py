@@ -1,0 +1,178 @@
+"""Flow-DPPO (arXiv 2606.11025): Flow-GRPO with the PPO clip replaced by a trust region on the exact KL between the
+old and the new SDE transition.
+
+Flow-GRPO bounds each update by clipping the ratio r = pi_theta(x' | x) / pi_old(x' | x) of one sample, a noisy
+measure of how far the policy has moved. Every SDE step is a Gaussian, so the distance itself is exact and cheap: the
+old and the new step share their std and differ in their means, and
+    KL_i = mean |mu_theta(x_i) - mu_old(x_i)|^2 / (2 std^2)          (averaged over the latent, as the log-prob)
+A member is dropped from the loss where the update has both left the trust region and moves the way its advantage
+already pushes it:
+    keep_i = not (KL_i >= delta  and  ((A_i > 0 and r_i > 1) or (A_i < 0 and r_i < 1)))
+    L      = mean_i (-A_i r_i keep_i)    (+ beta mean |mu_theta - mu_ref|^2, the KL to the base model)
+so a member inside the region, or one the update pulls back toward the old policy, keeps its full gradient. The
+old means mu_old are kept at rollout (`Rollout.old_means`), as are the old log-probs; both stay frozen over the
+iteration's optimizer steps.
+
+The rest is Flow-GRPO's (methods/flow_grpo.py): each member its own initial noise, the advantage over the whole
+batch's std, one reward per trajectory for every trained step, the members of each group split into chunks, one
+optimizer step each. SDE steps are sampled only at the trained steps, `--sde-draws` of them drawn each iteration
+among the first `--sde-window` steps, ODE elsewhere; the step is the coefficients-preserving one (--sde-type cps,
+sampler.py) by default. The mask's KL is the exact Gaussian KL of either step type, so its threshold means the
+same on both (a CPS ratio lives on another scale, the KL does not).
+
+From Flow-Factory's Flow-DPPO trainer and its SD3.5-M recipe (X-GenGroup/Flow-Factory,
+`examples/dppo/lora/sd3_5/geneval2_single.yaml`; the mask's KL of either step type as its x-based trust region):
+  - CPS noise level 0.7; 10 steps, 3 SDE steps drawn among steps 0-5 each epoch;
+  - delta = 1e-6 (kl_mask_threshold), x-based; the KL to the base model x-based, mean |mu - mu_ref|^2, beta 1e-3;
+  - G 16, 64 prompts an epoch, 2 optimizer steps an epoch, one inner epoch, advantages over the global std,
+    clipped to 5;
+  - LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, gradient norm 1, 512^2, no CFG; EMA 0.9 every 4 epochs.
+No FLUX.1 recipe of Flow-DPPO is published: --model flux takes these values on FLUX.1's own guidance.
+
+Differences from Flow-Factory's code:
+  1. The SDE steps are drawn from (seed, iteration), the same on every rank; theirs from the scheduler's own seed.
+  2. It splits an epoch's batch in two for its two optimizer steps; this project splits each group's members.
+  3. It keeps per-prompt statistics across an epoch's repeated prompts; this project normalises each group once.
+  4. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer.
+  5. --clip-range is not read (no ratio is clipped); losses/clipfrac still counts |r - 1| > --clip-range.
+  6. On presets other than flux and sd3, the preset's sizes stand and only the algorithm changes.
+The official code (Tencent-Hunyuan/UniRL, `FlowDPPO/`) was not read for this file; the paper's reported GenEval2
+gains (48.1 against Flow-GRPO's 39.9 on SD3.5-M) are second-hand here.
+
+Run it:
+    python train.py --model tiny --method flow-dppo
+    python train.py --model sd3 --method flow-dppo                 # Flow-Factory's SD3.5-M recipe, LoRA r32
+
+Shapes: B prompts, G group size, K trained steps, (...) a latent.
+"""
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from methods.base import Method, SDEStep, global_std_advantages, per_member_noise
+from methods.flow_grpo import iteration_draw
+from methods.trajectories import accumulated_update, rollout_trajectories
+from sampler import SDE_TYPES
+
+# Flow-Factory's SD3.5-M recipe (examples/dppo/lora/sd3_5/geneval2_single.yaml)
+SD35 = dict(group_size=16, num_steps=10, shift=3.0, sigma_grid="sd3", resolution=512, prompts_per_iteration=64,
+            lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, kl_beta=1e-3, lora_rank=32, lora_alpha=64.0,
+            ema_decay=0.9, ema_every=4)
+
+
+def random_steps(iteration, *, count, window, seed):
+    """The SDE steps of an iteration: `count` distinct steps of 0..window - 1, drawn from (seed, iteration), sorted."""
+    return sorted(torch.randperm(window, generator=iteration_draw(seed, iteration))[:count].tolist())
+
+
+def trust_region_kl(mean, old_mean, std):
+    """KL(new step || old step) of two Gaussians with one std, averaged over the latent: (n, ...) -> (n,)."""
+    kl = (mean.float() - old_mean.float()) ** 2 / (2 * std**2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))
+
+
+def masked_loss(log_probs, old_log_probs, advantages, kl, threshold, weights):
+    """Flow-DPPO's loss, the weighted sum of -A r keep over members (n, M), and keep (n, M): a member is dropped
+    where KL >= threshold and r moves the way A pushes it (r > 1 for A > 0, r < 1 for A < 0). kl: (n, M) or (n, 1)."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    with torch.no_grad():
+        along = ((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1))
+        keep = ~((kl >= threshold) & along)
+    return (-advantages * ratio * keep * weights).sum(), keep
+
+
+@dataclass
+class FlowDPPO(Method, SDEStep):
+    """Flow-DPPO: the run's flags it reads (methods/base.py's, --num-steps and --seed), then its own (train.py's
+    under --method flow-dppo)."""
+
+    label = "Flow-DPPO"
+
+    num_steps: int
+    seed: int
+    # --- its own flags ---
+    kl_mask_threshold: float = 1e-6
+    """delta: a member whose step's KL(new || old) reaches this, and whose ratio moves the way its advantage pushes,
+    is dropped from the loss (Flow-Factory 1e-6)."""
+    sde_draws: int = 3
+    """SDE steps drawn afresh each iteration (and trained), ODE elsewhere (Flow-Factory 3)."""
+    sde_window: int = 6
+    """The drawn steps lie within steps 0..sde_window - 1 (Flow-Factory 6 of 10)."""
+    member_chunks: int = 2
+    """The members of each group split into this many chunks, one optimizer step each (Flow-Factory's 2 gradient
+    steps an epoch)."""
+    sde_type: Literal[SDE_TYPES] = field(default="cps", kw_only=True)
+    """The SDE step: cps (coefficients-preserving, Flow-Factory's for Flow-DPPO, eta in (0, 1]) or flow (G2RPO's
+    Gaussian step). The mask's KL is exact on either, so --kl-mask-threshold keeps its meaning."""
+
+    per_step_advantages = False
+    recipe = dict(eta=0.7)
+    presets = {"sd3": dict(SD35, guidance=1.0), "flux": SD35}
+    per_sde_type = {}  # its defaults are its authors' CPS values already
+
+    def problem(self, num_steps):
+        if not 1 <= self.sde_draws <= self.sde_window <= num_steps:
+            return (f"--sde-draws {self.sde_draws} of --sde-window {self.sde_window}: needs 1 <= draws <= window <= "
+                    f"--num-steps {num_steps}")
+        problem = self.sde_type_problem(range(self.sde_window), num_steps)  # (the steps a draw may take)
+        if problem:
+            return problem
+        if self.kl_mask_threshold < 0:
+            return f"--kl-mask-threshold {self.kl_mask_threshold}: must be >= 0 (Flow-Factory 1e-6)"
+        if not 1 <= self.member_chunks <= self.group_size:
+            return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
+        return None
+
+    # ALGO LOGIC (the SDE step is SDEStep's: CPS by default)
+    def initial_noise(self, draw, generators):
+        """Each member its own x_T: (B, G, ...)."""
+        return per_member_noise(draw, generators, self.group_size)
+
+    def trained_steps(self, iteration):
+        return random_steps(iteration, count=self.sde_draws, window=self.sde_window, seed=self.seed)
+
+    def cost_iterations(self):
+        """64 draws of the SDE steps."""
+        return list(range(64))
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """noise: (B, G, ...); SDE at the drawn `steps`, ODE elsewhere; each trained step's old mean kept."""
+        return rollout_trajectories(velocity_fn, noise, sigmas, generators, group_size=self.group_size,
+                                    sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
+                                    ode_elsewhere=True, per_member_noise=True, image_only_fn=image_only_fn,
+                                    mean_fn=self.mean_std)
+
+    def advantages(self, scores, weights, ranks=None):
+        return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
+
+    def kl(self, velocity, base_velocity, sigmas, i):
+        """Its KL to the base model, x-based: mean |mu - mu_ref|^2 per sample (n,). The means share x, so their gap
+        is the mean of the velocity gap from x = 0."""
+        gap = velocity.float() - base_velocity.float()
+        mean_gap = self.mean_std(torch.zeros_like(gap), gap, sigmas, i)[0]
+        return (mean_gap**2).mean(dim=tuple(range(1, gap.ndim)))
+
+    def optimizer_steps(self, num_trained_steps):
+        return self.inner_epochs * self.member_chunks
+
+    def update(self, rollout, advantages, ctx):
+        """Flow-GRPO's accumulated update with the mask's loss; losses/masked_fraction: the share of trained members
+        dropped."""
+        counts = [0, 0]  # members dropped, members trained
+
+        def loss(ki, rows, velocity, log_probs, old_log_probs, step_advantages, weights):
+            k = rollout.sde_steps[ki]
+            x = rollout.start_latents[:, ki].flatten(0, 1)[rows]  # (n, ...): one member a row (S = G)
+            mean, std = self.mean_std(x, velocity, ctx.sigmas, k)  # (n, ...)
+            old_mean = rollout.old_means[:, ki].flatten(0, 1)[rows]  # (n, ...)
+            kl = trust_region_kl(mean, old_mean, std)[:, None]  # (n, 1)
+            batch_loss, keep = masked_loss(log_probs, old_log_probs, step_advantages, kl, self.kl_mask_threshold,
+                                           weights)
+            counts[0] += int((~keep & (weights > 0)).sum())
+            counts[1] += int((weights > 0).sum())
+            return batch_loss
+
+        stats = accumulated_update(self, ctx, rollout, advantages, policy_loss=loss)
+        stats["masked_fraction"] = counts[0] / max(counts[1], 1)
+        return stats
