@@ -74,7 +74,7 @@ def iteration(it, method, h):
 
     # 4. advantages: per trained step (or one per trajectory, broadcast to its steps); --step-credit's controls
     B, G = len(batch.prompts), method.group_size
-    advantages = method.advantages(scores, h.weights, h.ranks)  # (B, K or 1, G)
+    advantages = method.advantages(scores, h.weights, h.ranks, rollout)  # (B, K or 1, G)
     advantages = step_credit(advantages.expand(B, len(steps), G), h.args.step_credit)  # (B, K, G)
 
     # 5. the policy update, taken on every rank or on none

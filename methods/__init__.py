@@ -1,6 +1,7 @@
 """The methods train.py can run, by --method name: G2RPO (g2rpo.py), its full-SDE ablation, its peers, its authors'
-follow-ups (Pave-GRPO, AdaGRPO), Flow-DPPO, and DiffusionNFT and AWM, which score no SDE step. Each is a class on the
-interface of methods/base.py, in a file of its own that holds all of its decisions, flags and state.
+follow-ups (Pave-GRPO, AdaGRPO), the field's newest (Flow-DPPO, BranchGRPO), and DiffusionNFT and AWM, which score no
+SDE step. Each is a class on the interface of methods/base.py, in a file of its own that holds all of its decisions,
+flags and state.
 
 `METHODS` is the registry: one line a method, its name and where its class lives, imported when first read (so
 that g2rpo.py and the method files can import methods.base without a cycle). A new method is a file here and a
@@ -18,6 +19,7 @@ REGISTRY = {
     "pavegrpo": "methods.pavegrpo:PaveGRPO",
     "adagrpo": "methods.adagrpo:AdaGRPO",
     "flow-dppo": "methods.flow_dppo:FlowDPPO",
+    "branchgrpo": "methods.branchgrpo:BranchGRPO",
     "diffusionnft": "methods.diffusionnft:DiffusionNFT",
     "awm": "methods.awm:AWM",
 }

@@ -212,8 +212,8 @@ class AdaGRPO(Method, SDEStep):
         self.base.load_state_dict(state)
 
     # ---- (b) the cross-level advantage, added to the method's ----
-    def advantages(self, scores, weights, ranks=None):
-        advantages = self.base.advantages(scores, weights, ranks)
+    def advantages(self, scores, weights, ranks=None, rollout=None):
+        advantages = self.base.advantages(scores, weights, ranks, rollout)
         if not self.global_advantage:
             return advantages
         return with_global_advantage(advantages, scores, weights, self.curriculum, self.adv_clip_max)

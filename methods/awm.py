@@ -210,7 +210,7 @@ class AWM(Method):
         return ode_rollout(velocity_fn, noise, sigmas, self.max_batch, trained=steps,
                            solver=self.rollout_solver)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         """scores: (B, 1, 1, G, R) -> (B, 1, G), each image's advantage (clipped to +-adv_clip_max; the update
         scales it into [-1, 1])."""
         if self.global_std:

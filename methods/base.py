@@ -11,7 +11,7 @@ line under that --method (`python train.py --method NAME --help` lists them). On
     trained_steps(it)                 the steps of the schedule it trains in iteration `it`: SDE steps, or a method
                                       that samples none (DiffusionNFT) its training timesteps; [] trains nothing
     rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn) -> sampler.Rollout
-    advantages(scores (B, J, K, G, R), weights (R,), ranks) -> (B, K or 1, G)
+    advantages(scores (B, J, K, G, R), weights (R,), ranks, rollout) -> (B, K or 1, G)
     update(rollout, advantages (B, K, G), ctx: UpdateContext) -> statistics (`update_stats`)
 
 and, around the iteration:
@@ -143,8 +143,9 @@ class Method:
         """The rollout from `noise` (`initial_noise`'s), no gradients: a `sampler.Rollout`."""
         raise NotImplementedError
 
-    def advantages(self, scores, weights, ranks=None):
-        """scores (B, J, K, G, R) and the reward weights (R,) -> advantages (B, K or 1, G)."""
+    def advantages(self, scores, weights, ranks=None, rollout=None):
+        """scores (B, J, K, G, R) and the reward weights (R,) -> advantages (B, K or 1, G); the rollout they score
+        is there for a method whose advantage reads it (BranchGRPO's probability-weighted node rewards)."""
         raise NotImplementedError
 
     def update(self, rollout, advantages, ctx):

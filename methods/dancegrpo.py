@@ -97,7 +97,7 @@ class DanceGRPO(Method, SDEStep):
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch, x0_image=True,
                                     image_only_fn=image_only_fn)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         """scores: (B, 1, 1, G, R) -> (B, 1, G), the group advantage of each trajectory."""
         return granular_advantages(scores, adv_clip_max=self.adv_clip_max, weights=weights)
 

@@ -213,7 +213,7 @@ class DiffusionNFT(Method):
             return ode_rollout(velocity_fn, noise, sigmas, self.max_batch, trained=steps,
                                solver=self.rollout_solver)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         """scores: (B, 1, 1, G, R) -> (B, 1, G), each image's advantage (clipped to +-adv_clip_max)."""
         if self.global_std:
             return global_std_advantages(scores, weights, self.adv_clip_max, ranks)

@@ -143,7 +143,7 @@ class FlowDPPO(Method, SDEStep):
                                     ode_elsewhere=True, per_member_noise=True, image_only_fn=image_only_fn,
                                     mean_fn=self.mean_std)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
 
     def kl(self, velocity, base_velocity, sigmas, i):

@@ -116,7 +116,7 @@ class FlowGRPO(Method, SDEStep):
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch, per_member_noise=True,
                                     image_only_fn=image_only_fn)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
 
     def optimizer_steps(self, num_trained_steps):

@@ -96,7 +96,7 @@ class MixGRPO(Method, SDEStep):
                                     sde_steps=steps, step_fn=self.step, max_batch=self.max_batch,
                                     ode_elsewhere=True, image_only_fn=image_only_fn)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         return granular_advantages(scores, adv_clip_max=self.adv_clip_max, weights=weights)
 
     def optimizer_steps(self, num_trained_steps):

@@ -258,6 +258,11 @@ TABLE = {
     "flow-dppo": dict(group_size=16, num_steps=10, eta=0.7, sde_type="cps", lr=3e-4, kl_beta=1e-3, lora_rank=32,
                       lora_alpha=64.0, sigma_grid="sd3", resolution=512, prompts_per_iteration=64, ema_decay=0.9,
                       ema_every=4, kl_mask_threshold=1e-6, sde_draws=3, sde_window=6, member_chunks=2),
+    # its authors' FLUX.1-dev script, 8 GPUs x 2 prompts
+    "branchgrpo": dict(group_size=16, num_steps=20, eta=0.3, lr=1e-5, clip_range=1e-3, kl_beta=0.0, lora_rank=0,
+                       resolution=720, split_points=[0, 3, 6, 9], split_noise_scale=4.0, edges_per_step=6,
+                       prompts_per_iteration=16, num_iterations=300, rewards=["hps=1.0"], width_pruning=0,
+                       depth_pruning=[]),
     # the G2RPO series (tests/test_series.py tests their formulas): scripts/train_pavegrpo.sh, train_adagrpo.sh
     "pavegrpo": dict(group_size=12, num_steps=16, eta=0.8, lr=2e-6, sde_steps=[0, 2, 4, 6], resolution=512,
                      lora_rank=0, sub_steps=[2, 3], granularities=[1], rewards=["hpsv3=1.0"], num_iterations=300),
@@ -270,7 +275,8 @@ FIXED = {"dancegrpo": dict(shared_noise=True, per_step_advantages=False),
          "flow-grpo": dict(shared_noise=False, per_step_advantages=False),
          "flow-grpo-fast": dict(shared_noise=False, per_step_advantages=False),
          "mixgrpo": dict(shared_noise=True, per_step_advantages=False),
-         "flow-dppo": dict(shared_noise=False, per_step_advantages=False)}
+         "flow-dppo": dict(shared_noise=False, per_step_advantages=False),
+         "branchgrpo": dict(shared_noise=True, per_step_advantages=True)}
 
 
 @pytest.mark.parametrize("method", list(TABLE))
@@ -344,7 +350,7 @@ def stopped_after_one(straight, resumed):
         f.writelines(lines[:2])
 
 
-@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo", "flow-dppo"])
+@pytest.mark.parametrize("method", ["dancegrpo", "flow-grpo", "flow-grpo-fast", "mixgrpo", "flow-dppo", "branchgrpo"])
 def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     common = [*SMALL, "--tiny-cache", tiny_cache, "--method", method]
@@ -356,6 +362,7 @@ def test_every_recipe_trains_and_resumes(method, tiny_cache, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = read_metrics(straight)
     assert [r["train/reward/shapes"] for r in rows[1:]] == [r["train/reward/shapes"] for r in read_metrics(resumed)[1:]]
-    steps = METHODS[method].member_chunks
-    assert all(r["perf/optimizer_steps"] == steps for r in rows[1:])  # one per chunk of members
+    trainer = flags.method_of(flags.parse_args(common))
+    steps = trainer.optimizer_steps(len(trainer.trained_steps(1)))
+    assert all(r["perf/optimizer_steps"] == steps for r in rows[1:])  # one per chunk of members, or of edges
     assert rows[1]["perf/nfe"] > 0 and math.isfinite(rows[-1]["losses/loss"])

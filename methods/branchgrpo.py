@@ -1,0 +1,311 @@
+"""BranchGRPO (arXiv 2509.06040): a tree rollout that branches at chosen steps, node rewards from the leaves, and
+advantages normalised per depth, so that every edge of the tree trains with its own advantage.
+
+Where DanceGRPO samples G independent trajectories and G2RPO branches G members off one ODE anchor at each trained
+step, BranchGRPO grows one tree per prompt from a shared x_T: DanceGRPO's SDE step on every step (std_dev = eta,
+methods/dancegrpo.py), each node splitting in two at the split points, one child elsewhere. With splits at 0, 3, 6
+and 9 of 20 steps the tree has 2^4 = 16 leaves, the group; its 218 edges cost 203 forwards where 16 trajectories
+cost 320. A split's children are drawn with `--split-noise-scale` times the step's noise (4.0), while the edge's
+log-probability keeps the step's own std. Each leaf's image is decoded from the last step's x0_hat = x - sigma v.
+
+Rewards and advantages, for the tree of one prompt:
+    R(leaf)   = the weighted sum of its rewards
+    R(node)   = the mean of R over its leaves, or with --tree-prob-weighted
+              = sum_c softmax_c(log pi_old(edge to c)) R(c)  over its children c (alpha 1)
+    A(node)   = (R(node) - mean_d R) / (std_d R + 1e-8)   over the nodes of its depth d (std unbiased; A = 0 where
+                the depth has one node or std < 1e-6),  clipped to +-5
+Edge parent -> child at step i (the child at depth i + 1) trains with A(child), by PPO's clipped surrogate of
+G2RPO's ratio (g2rpo.clipped_loss). All edges of a tree are trained, in a random order; an optimizer step every
+`--edges-per-step` edges of each prompt, the loss of an edge divided by the edges of one optimizer step times the
+edges of a tree.
+
+Pruning drops edges from the loss only (the rollout and the rewards stay whole), while the iteration is within the
+first --pruning-until of the run:
+  - depth: the edges into the depths of --depth-pruning; --depth-pruning-slide moves those depths one shallower
+    every --depth-pruning-interval iterations, until the shallowest reaches --depth-pruning-stop;
+  - width, after the last split: mode 1 keeps, within each pair of siblings of the last split, the top
+    --width-pruning-ratio of their edges by advantage (the better sibling's chain); mode 2 keeps, over the tree's
+    edges after the last split, the best and the worst, k = max(2, ratio n) in all.
+
+Leaves sit in the tree's order, so the rollout stores each trained step in the interface's (B, K, G) layout: edge e
+of m at step i is leaf block e (G / m leaves), its representative the first leaf of the block, which alone trains it
+(the others repeat its latents and advantage, weight 0).
+
+From the authors' `Fredreic1849/BranchGRPO` (`scripts/finetune/finetune_flux_branchgrpo_8gpus.sh`,
+`fastvideo/train_branchgrpo_flux.py`): FLUX.1-dev, 20 steps, shift 3, eta 0.3, splits 0,3,6,9, split noise 4.0, G 16
+leaves, 720^2, lr 1e-5, weight decay 1e-4, clip 1e-3, advantages clipped to 5, gradient clip 1, 2 prompts on each
+of 8 GPUs, an optimizer step every 12 edges of a GPU, 300 iterations, HPS-v2.1, full fine-tune, no KL; no pruning
+in that script. Its README reports 13.68 NFE per leaf and 493 s an iteration, against DanceGRPO's 20 and 698 s.
+
+Differences from the authors' code:
+  1. Each prompt's edges are shuffled on their own (its generator) and every optimizer step takes --edges-per-step
+     edges of each prompt (theirs shuffles a GPU's 2 trees together, 12 edges a step: the flux preset's 6 a prompt).
+  2. Width pruning's mode 2 ranks the edges of each tree (theirs, those of a GPU's trees together).
+  3. Pruning applies while iteration + 1 <= int(--pruning-until x --num-iterations), as theirs; its mixed ODE-SDE
+     tree (`--mix_ode_sde_tree`) is not built here.
+  4. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer (theirs
+     passes int(1000 sigma) / 1000), and the log-prob keeps the Gaussian's constants, which cancel in the ratio.
+  5. With --sde-type cps the last step has no noise, so it is sampled but not trained.
+  6. On presets other than --model flux, the preset's sizes stand; the tiny model's 8 steps and 8 leaves split at
+     0, 2 and 4.
+
+Run it:
+    python train.py --model tiny --method branchgrpo
+    torchrun --nproc_per_node 8 train.py --model flux --method branchgrpo
+
+Shapes: B prompts, G leaves (the group), K trained steps, m_i edges at step i, (...) a latent.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from methods.base import Method, SDEStep, optimizer_step, update_stats
+from methods.dancegrpo import DanceGRPO
+from methods.trajectories import weighted_step_loss_backward
+from sampler import CountingVelocity, Rollout, prompt_noise
+
+
+def edges_per_step(num_steps, split_points):
+    """m_i, the edges at each step i: 2^(splits at steps <= i)."""
+    return [2 ** sum(s <= i for s in split_points) for i in range(num_steps)]
+
+
+def to_leaves(values, leaves):
+    """A value per edge (B, m, ...) -> per leaf (B, G, ...): each edge's value over its block of G / m leaves."""
+    return values.repeat_interleave(leaves // values.shape[1], dim=1)
+
+
+@torch.no_grad()
+def tree_rollout(velocity_fn, noise, sigmas, generators, *, leaves, split_points, split_noise_scale, trained,
+                 step_fn, max_batch, image_only_fn=None):
+    """One tree per prompt from its x_T (B, ...): `step_fn`'s SDE step on every step, each node splitting in two
+    at `split_points` (the children's noise times `split_noise_scale`). Keeps, at each step of `trained`, each
+    leaf's edge (parent latent, child latent, log-prob) in leaf layout, and decodes each leaf from the last step's
+    x0_hat. Returns a `sampler.Rollout` with start and next latents (B, K, G, ...), final latents (B, 1, 1, G, ...)."""
+    B, shape, device = noise.shape[0], noise.shape[1:], noise.device
+    forward, image_forward = CountingVelocity.pair(velocity_fn, image_only_fn, max_batch)
+    x, kept = noise.float()[:, None], {}  # (B, n, ...): the live nodes, the root first
+    for i in range(len(sigmas) - 1):
+        n, children = x.shape[1], 2 if i in split_points else 1
+        flat = x.flatten(0, 1)  # (B n, ...)
+        index = torch.arange(B, device=device).repeat_interleave(n)
+        v = (forward if i in trained else image_forward)(flat, sigmas[i].expand(B * n).to(device), index)
+        eps = prompt_noise(generators, (n * children, *shape), device).flatten(0, 1)  # (B n c, ...)
+        scale = split_noise_scale if children == 2 else 1.0
+        # the sample has scale x the step's noise; its log-prob is taken under the step's own std
+        x_next, log_prob = step_fn(flat.repeat_interleave(children, 0), v.repeat_interleave(children, 0), sigmas, i,
+                                   noise=scale * eps)  # (B n c, ...), (B n c,)
+        x_next = x_next.view(B, n * children, *shape)
+        if i in trained:  # the parent of edge e is node e // c
+            kept[i] = (to_leaves(x.repeat_interleave(children, 1), leaves), to_leaves(x_next, leaves),
+                       to_leaves(log_prob.view(B, n * children), leaves))
+        if i == len(sigmas) - 2:
+            final = (flat - float(sigmas[i]) * v.float()).view(B, n, *shape)  # x0_hat of the last step: (B, G, ...)
+        x = x_next
+    stack = lambda part: torch.stack([kept[k][part] for k in trained], 1)  # (B, K, G, ...)
+    return Rollout(start_latents=stack(0), next_latents=stack(1), old_log_probs=stack(2),
+                   final_latents=final.view(B, 1, 1, leaves, *shape), anchor_final=None, sde_steps=list(trained),
+                   granularities=[], **CountingVelocity.totals(forward, image_forward))
+
+
+def node_rewards(leaf_rewards, edges, split_points, log_probs=None):
+    """R of every step's children (B, m_i), from the leaves' (B, G) up: the mean of a node's leaves, or with
+    `log_probs` ({step: (B, m_i)}, the edges' old log-probs at the split steps) the softmax-weighted sum of its two
+    children's R. Returns [(B, m_i) for each step i]."""
+    rewards = [None] * len(edges)
+    rewards[-1] = leaf_rewards[:, :: leaf_rewards.shape[1] // edges[-1]]  # (B, m_{N-1})
+    for i in range(len(edges) - 1, 0, -1):  # R of step i - 1's children from step i's
+        r = rewards[i]
+        if i in split_points:  # each node of depth i has two children at step i
+            pairs = r.view(r.shape[0], -1, 2)  # (B, m_i / 2, 2)
+            w = (torch.softmax(log_probs[i].view(pairs.shape), -1) if log_probs is not None
+                 else torch.full_like(pairs, 0.5))
+            r = (w * pairs).sum(-1)  # (B, m_{i-1})
+        rewards[i - 1] = r
+    return rewards
+
+
+def depth_advantages(rewards):
+    """Per depth: (R - mean R) / (std R + 1e-8) over one tree's nodes of that depth (B, m), unbiased std; 0 where
+    the depth has one node or std < 1e-6."""
+    if rewards.shape[1] <= 1:
+        return torch.zeros_like(rewards)
+    std = rewards.std(1, keepdim=True)  # (B, 1), unbiased
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (std + 1e-8)
+    return torch.where(std < 1e-6, torch.zeros_like(advantages), advantages)
+
+
+def kept_by_width(advantages, mode, ratio):
+    """Width pruning of the edges after the last split, advantages (B, E, G) of those E steps, one edge per leaf a
+    step: mode 1 keeps the top max(1, int(ratio n)) of each sibling pair's n edges by advantage; mode 2 the best
+    int(k / 2) and the worst k - int(k / 2) of the tree's, k = max(2, int(ratio n)). Ties go to the earlier edge.
+    Returns (B, E, G) bool."""
+    B, E, G = advantages.shape
+    groups = advantages.view(B, E, G // 2, 2).permute(0, 2, 1, 3).reshape(B, G // 2, 2 * E) if mode == 1 \
+        else advantages.reshape(B, 1, E * G)  # (B, groups, n)
+    n = groups.shape[2]
+    order = torch.argsort(groups, dim=2, descending=True, stable=True)  # best first
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    if mode == 1:
+        keep.scatter_(2, order[..., : max(1, int(ratio * n))], True)
+    else:
+        k = max(2, int(ratio * n))
+        keep.scatter_(2, order[..., : k // 2], True)
+        keep.scatter_(2, order[..., n - (k - k // 2):], True)
+    if mode == 1:
+        return keep.view(B, G // 2, E, 2).permute(0, 2, 1, 3).reshape(B, E, G)
+    return keep.view(B, E, G)
+
+
+@dataclass
+class BranchGRPO(Method, SDEStep):
+    """BranchGRPO: the run's flags it reads (methods/base.py's, --num-steps and --num-iterations), then its own
+    (train.py's under --method branchgrpo)."""
+
+    label = "BranchGRPO"
+
+    num_steps: int
+    num_iterations: int
+    # --- its own flags ---
+    split_points: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
+    """The steps at which every node splits in two; 2^(their count) leaves must be --group-size (BranchGRPO 0 3 6 9
+    of 20 steps, 16 leaves)."""
+    split_noise_scale: float = 4.0
+    """A split's children are drawn with this times the step's noise (its log-prob keeps the step's std; 4.0)."""
+    tree_prob_weighted: bool = False
+    """A node's reward: the softmax over its children's edge log-probs of their rewards, instead of the mean of its
+    leaves (BranchGRPO off)."""
+    edges_per_step: int = 6
+    """An optimizer step every this many edges of each prompt (BranchGRPO 12 of a GPU's 2 prompts)."""
+    depth_pruning: list[int] = field(default_factory=list)
+    """Depths whose edges leave the loss (the child of step i has depth i + 1); [] = none (its script)."""
+    depth_pruning_slide: bool = True
+    """The pruned depths move one shallower every --depth-pruning-interval iterations (its script: on)."""
+    depth_pruning_interval: int = 30
+    """Iterations between two moves of the pruned depths (its script 30)."""
+    depth_pruning_stop: int = 0
+    """The shallowest depth the sliding pruned depths reach; 0 = the last split point (its script 9)."""
+    width_pruning: int = 0
+    """Width pruning after the last split: 0 off (its script), 1 the better of each sibling pair, 2 the best and the
+    worst of the tree's edges."""
+    width_pruning_ratio: float = 0.5
+    """The share of the edges after the last split that width pruning keeps (BranchGRPO 0.5)."""
+    pruning_until: float = 1.0
+    """Pruning applies during this share of --num-iterations (BranchGRPO 1.0: all of it)."""
+
+    per_step_advantages = True  # each edge its own depth's advantage
+    recipe = dict(eta=0.3)
+    # its FLUX.1-dev script: 8 GPUs x 2 prompts, 300 iterations, HPS-v2.1, full fine-tune
+    presets = {"flux": dict(num_steps=20, shift=3.0, group_size=16, resolution=720, lr=1e-5, weight_decay=1e-4,
+                            clip_range=1e-3, max_grad_norm=1.0, kl_beta=0.0, lora_rank=0, prompts_per_iteration=16,
+                            num_iterations=300, rewards=["hps=1.0"]),
+               "tiny": dict(split_points=[0, 2, 4])}
+
+    std_dev = DanceGRPO.std_dev  # its SDE step is DanceGRPO's (std_dev = eta)
+
+    def problem(self, num_steps):
+        splits = self.split_points
+        if len(set(splits)) != len(splits) or any(not 0 <= s < num_steps - 1 for s in splits):
+            return (f"--split-points {splits}: give distinct steps in 0..{num_steps - 2} (a split into sigma 0 "
+                    f"would decode its two leaves alike)")
+        if self.group_size != 2 ** len(splits):
+            return (f"--group-size {self.group_size}: a tree with {len(splits)} binary splits has "
+                    f"{2 ** len(splits)} leaves; set --group-size {2 ** len(splits)} or change --split-points")
+        if self.split_noise_scale <= 0 or self.edges_per_step < 1:
+            return f"--split-noise-scale must be > 0 and --edges-per-step >= 1 (BranchGRPO 4.0, 6)"
+        if self.width_pruning not in (0, 1, 2) or not 0 < self.width_pruning_ratio <= 1:
+            return (f"--width-pruning {self.width_pruning} --width-pruning-ratio {self.width_pruning_ratio}: mode "
+                    f"0, 1 or 2, a ratio in (0, 1]")
+        if any(not 1 <= d <= num_steps for d in self.depth_pruning) or self.depth_pruning_interval < 1 \
+                or not 0 <= self.pruning_until <= 1:
+            return (f"--depth-pruning {self.depth_pruning}: depths in 1..{num_steps}, an interval >= 1, "
+                    f"--pruning-until in [0, 1]")
+        return self.sde_type_problem(self.trained_steps(0), num_steps)
+
+    # ALGO LOGIC (the SDE step is DanceGRPO's, or --sde-type cps)
+    def trained_steps(self, iteration):
+        """Every step: the edges of the whole tree (but the last with --sde-type cps, which has no noise)."""
+        return list(range(self.num_steps - (self.sde_type == "cps")))
+
+    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
+        """noise: (B, ...), the root of each prompt's tree."""
+        return tree_rollout(velocity_fn, noise, sigmas, generators, leaves=self.group_size,
+                            split_points=self.split_points, split_noise_scale=self.split_noise_scale, trained=steps,
+                            step_fn=self.step, max_batch=self.max_batch, image_only_fn=image_only_fn)
+
+    def advantages(self, scores, weights, ranks=None, rollout=None):
+        """scores: (B, 1, 1, G, R) -> (B, K, G): each leaf's edge at each trained step gets the advantage of the
+        edge's child among its depth."""
+        leaf = (scores[:, 0, 0].float() * weights.to(scores.device)).sum(-1)  # (B, G)
+        edges = edges_per_step(self.num_steps, self.split_points)
+        log_probs = None
+        if self.tree_prob_weighted:  # each split step's edges' old log-probs, one per edge
+            log_probs = {i: rollout.old_log_probs[:, rollout.sde_steps.index(i), :: self.group_size // edges[i]]
+                         for i in self.split_points}
+        rewards = node_rewards(leaf, edges, self.split_points, log_probs)
+        steps = rollout.sde_steps if rollout is not None else self.trained_steps(0)
+        advantages = torch.stack([to_leaves(depth_advantages(rewards[i]), self.group_size) for i in steps], 1)
+        return advantages.clamp(-self.adv_clip_max, self.adv_clip_max)  # (B, K, G)
+
+    def pruned_depths(self, iteration):
+        """The depths whose edges leave the loss in iteration `iteration`."""
+        if not self.depth_pruning or iteration + 1 > int(self.pruning_until * self.num_iterations):
+            return set()
+        shift = 0
+        if self.depth_pruning_slide:
+            stop = self.depth_pruning_stop or max(self.split_points)
+            shift = max(0, min(iteration // self.depth_pruning_interval, min(self.depth_pruning) - stop))
+        return {d - shift for d in self.depth_pruning}
+
+    def edge_mask(self, iteration, advantages, steps):
+        """The edges trained, each at its leaf block's first leaf: (B, K, G) bool."""
+        B, K, G = advantages.shape
+        edges = edges_per_step(self.num_steps, self.split_points)
+        mask = torch.zeros(B, K, G, dtype=torch.bool)
+        pruned = self.pruned_depths(iteration)
+        for ki, i in enumerate(steps):
+            if i + 1 not in pruned:
+                mask[:, ki, :: G // edges[i]] = True
+        pruning = iteration + 1 <= int(self.pruning_until * self.num_iterations)
+        after = [ki for ki, i in enumerate(steps) if i > max(self.split_points)]
+        if self.width_pruning and pruning and after:
+            mask[:, after] &= kept_by_width(advantages[:, after].cpu(), self.width_pruning, self.width_pruning_ratio)
+        return mask
+
+    def optimizer_steps(self, num_trained_steps):
+        """Without pruning: one every --edges-per-step of a tree's edges."""
+        edges = edges_per_step(self.num_steps, self.split_points)
+        return self.inner_epochs * math.ceil(sum(edges[:num_trained_steps]) / self.edges_per_step)
+
+    def update_nfe(self, rollout):
+        """One forward with gradients per trained edge (without pruning: pruning trains fewer)."""
+        edges = edges_per_step(self.num_steps, self.split_points)
+        return rollout.start_latents.shape[0] * sum(edges[i] for i in rollout.sde_steps) * self.inner_epochs
+
+    def for_planning(self):
+        return dataclasses.replace(self, depth_pruning=[], width_pruning=0)
+
+    def update(self, rollout, advantages, ctx):
+        """Each prompt's trained edges in a random order of its own; each optimizer step on the next
+        --edges-per-step edges of every prompt, an edge's loss divided by the step's edges times a tree's."""
+        B, K, G = advantages.shape
+        mask = self.edge_mask(ctx.iteration, advantages, rollout.sde_steps)  # (B, K, G)
+        per_tree = int(mask[0].sum())  # the same on every prompt, and so on every rank
+        if per_tree == 0:
+            return {"optimizer_steps": 0, "skipped_steps": 0}
+        orders = [mask[b].nonzero()[torch.randperm(per_tree, generator=ctx.generators[b])] for b in range(B)]
+        per_step, grad_norms = [], []
+        ctx.optimizer.zero_grad(set_to_none=True)
+        for _ in range(self.inner_epochs):
+            for start in range(0, per_tree, self.edges_per_step):
+                chunk = torch.zeros(B, K, G)  # (B, K, G): this optimizer step's edges, each its loss's weight
+                for b, order in enumerate(orders):
+                    ki, leaf = order[start : start + self.edges_per_step].T
+                    chunk[b, ki, leaf] = 1.0 / (B * self.edges_per_step * per_tree)
+                for ki in range(K):  # every step, on every rank alike (a step no rank trains forwards nothing)
+                    per_step.append(weighted_step_loss_backward(self, ctx, rollout, advantages[:, ki], ki,
+                                                                chunk[:, ki]))
+                grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, self.max_grad_norm))
+        return update_stats(per_step, grad_norms, per_optimizer_step=True)

@@ -1,0 +1,188 @@
+"""BranchGRPO (methods/branchgrpo.py): the tree rollout against a node-by-node restatement with batch-1 forwards, its
+forwards and edges on the authors' FLUX tree, the node rewards (mean and probability-weighted) and the per-depth
+advantages against a float64 restatement on an explicit tree, depth and width pruning on hand-made advantages, and one
+update against a restatement edge by edge. Its 2-iteration tiny run and exact resume, and its recipe's resolved
+values, are test_baselines.py's.
+
+Run: python -m pytest -q tests/test_branchgrpo.py
+"""
+import math
+import statistics
+
+import pytest
+import torch
+
+from lab import flags
+from methods.base import UpdateContext
+from methods.branchgrpo import BranchGRPO, edges_per_step, kept_by_width, tree_rollout
+from sampler import sigma_schedule
+from test_baselines import make
+
+
+def branch(**values):
+    return make(BranchGRPO, **{"eta": 0.3, "num_steps": 6, "num_iterations": 10, "split_points": [0, 2],
+                               "group_size": 4, **values})
+
+
+def test_the_tree_rollout_against_a_node_by_node_restatement():
+    torch.manual_seed(0)
+    method, sigmas = branch(), sigma_schedule(6, 3.0)
+    net = torch.nn.Linear(5, 5)
+    velocity = lambda x, s, i: net(x) + s[:, None] + 0.1 * i[:, None]
+    noise = torch.randn(2, 5)
+    gens = lambda: [torch.Generator().manual_seed(b) for b in range(2)]
+    out = method.rollout(velocity, noise, sigmas, gens(), method.trained_steps(0))
+    assert out.start_latents.shape == (2, 6, 4, 5) and out.final_latents.shape == (2, 1, 1, 4, 5)
+    for b, gen in enumerate(gens()):
+        nodes = [noise[b : b + 1]]  # the live nodes, in the tree's order
+        for i in range(6):
+            children = 2 if i in (0, 2) else 1
+            eps = torch.randn((len(nodes) * children, 5), generator=gen)  # the prompt's draw of this step
+            grown = []
+            for p, x in enumerate(nodes):
+                v = velocity(x, sigmas[i].expand(1), torch.tensor([b]))
+                for c in range(children):
+                    e = p * children + c  # the edge's index; its leaves are block e of 4 / (edges) leaves
+                    scale = 4.0 if children == 2 else 1.0
+                    child, log_prob = method.step(x, v, sigmas, i, noise=scale * eps[e : e + 1])
+                    # DanceGRPO's Gaussian of std eta sqrt(-dt) scores it, the split's scale aside
+                    s, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
+                    mean = x + dt * (v + 0.3**2 / (2 * s) * (x + (1 - s) * v))
+                    expected = torch.distributions.Normal(mean, 0.3 * math.sqrt(-dt)).log_prob(child).mean()
+                    torch.testing.assert_close(log_prob[0], expected, atol=1e-5, rtol=1e-5)
+                    block = 4 // (len(nodes) * children)
+                    for leaf in range(e * block, (e + 1) * block):
+                        torch.testing.assert_close(out.start_latents[b, i, leaf], x[0])
+                        torch.testing.assert_close(out.next_latents[b, i, leaf], child[0])
+                        torch.testing.assert_close(out.old_log_probs[b, i, leaf], log_prob[0])
+                    grown.append(child)
+                if i == 5:  # each leaf's image: the last step's x0_hat
+                    torch.testing.assert_close(out.final_latents[b, 0, 0, p], (x - float(sigmas[i]) * v)[0])
+            nodes = grown
+    assert out.nfe == 2 * (1 + 2 + 2 + 4 + 4 + 4)  # one forward per node a step
+    # the authors' FLUX tree: 20 steps, splits 0 3 6 9, 16 leaves: 203 forwards, 218 edges, against 320 and 320
+    flux = flags.method_of(flags.parse_args(["--model", "flux", "--method", "branchgrpo"]))
+    zero = lambda x, s, i: torch.zeros_like(x)
+    tree = flux.rollout(zero, torch.zeros(1, 2), sigma_schedule(20, 3.0), [torch.Generator()], flux.trained_steps(0))
+    assert tree.nfe == 203 and sum(edges_per_step(20, [0, 3, 6, 9])) == 218 and flux.update_nfe(tree) == 218
+
+
+def test_node_rewards_and_depth_advantages_against_float64():
+    # 6 steps, splits at 0 and 2: the root's two children (depth 1) each have one child (depth 2), which split
+    # in two (depth 3, the 4 leaves' lineages, to depth 6)
+    torch.manual_seed(0)
+    method = branch(adv_clip_max=100.0)
+    leaves = [0.2, 0.9, 0.4, 0.1]
+    scores = torch.tensor(leaves).view(1, 1, 1, 4, 1)
+    got = method.advantages(scores, torch.ones(1))  # (1, 6, 4)
+
+    def normalised(values):  # unbiased std + 1e-8, 0 where one node or no spread
+        if len(values) < 2 or statistics.stdev(values) < 1e-6:
+            return [0.0] * len(values)
+        return [(v - statistics.mean(values)) / (statistics.stdev(values) + 1e-8) for v in values]
+
+    pairs = [statistics.mean(leaves[:2]), statistics.mean(leaves[2:])]  # the two subtrees' mean rewards
+    expected = {0: normalised(pairs), 1: normalised(pairs)}
+    for i in (2, 3, 4, 5):
+        expected[i] = normalised(leaves)
+    for i in range(6):
+        blocks = [expected[i][leaf * len(expected[i]) // 4] for leaf in range(4)]
+        torch.testing.assert_close(got[0, i].double(), torch.tensor(blocks, dtype=torch.float64), atol=1e-6,
+                                   rtol=1e-6)
+    # probability-weighted: a node's reward is the softmax over its children's edge log-probs of theirs
+    rollout = method.rollout(lambda x, s, i: 0.5 * x, torch.randn(1, 3), sigma_schedule(6, 3.0),
+                             [torch.Generator().manual_seed(0)], method.trained_steps(0))
+    weighted = branch(adv_clip_max=100.0, tree_prob_weighted=True).advantages(scores, torch.ones(1), None, rollout)
+    lp = rollout.old_log_probs[0]  # (K, G)
+    softmax = lambda a, b: (math.exp(a) / (math.exp(a) + math.exp(b)), math.exp(b) / (math.exp(a) + math.exp(b)))
+    lp2 = [float(lp[2, leaf]) for leaf in range(4)]  # the edges into depth 3: two children of each subtree
+    w01, w23 = softmax(lp2[0], lp2[1]), softmax(lp2[2], lp2[3])
+    sub = [w01[0] * leaves[0] + w01[1] * leaves[1], w23[0] * leaves[2] + w23[1] * leaves[3]]
+    assert lp2[0] != lp2[1]
+    for i in (0, 1):
+        torch.testing.assert_close(weighted[0, i].double(), torch.tensor(
+            [normalised(sub)[leaf // 2] for leaf in range(4)], dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weighted[0, 2:], got[0, 2:])  # the leaves' depths stay the leaves'
+    # a depth of equal rewards gets 0, and so does the clip
+    flat = method.advantages(torch.ones(1, 1, 1, 4, 1), torch.ones(1))
+    assert torch.equal(flat, torch.zeros(1, 6, 4))
+    assert float(branch(adv_clip_max=0.5).advantages(scores, torch.ones(1)).abs().max()) == 0.5
+
+
+def test_depth_and_width_pruning():
+    # depth: the depths listed, sliding one shallower every interval down to the stop, while pruning lasts
+    method = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, num_iterations=100,
+                    depth_pruning=[15, 16], depth_pruning_interval=30, pruning_until=0.5)
+    assert [method.pruned_depths(it) for it in (0, 29, 30, 49)] == [{15, 16}, {15, 16}, {14, 15}, {14, 15}]
+    assert method.pruned_depths(50) == set()  # iteration 51 > int(0.5 * 100)
+    long = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, num_iterations=10**4,
+                  depth_pruning=[15], depth_pruning_interval=1)
+    assert long.pruned_depths(100) == {9}  # the stop: the last split point
+    advantages = torch.zeros(1, 20, 16)
+    mask = method.edge_mask(0, advantages, list(range(20)))
+    assert int(mask[0, 14].sum()) == 0 and int(mask[0, 15].sum()) == 0  # the edges into depths 15 and 16
+    assert int(mask[0].sum()) == 218 - 32
+    # width, mode 1: of each sibling pair of the last split, the better's chain (half of the pair's edges)
+    torch.manual_seed(0)
+    after = torch.randn(1, 4, 16).sort(dim=2).values * 0 + torch.randn(1, 1, 16)  # a leaf's A at every depth
+    keep = kept_by_width(after, 1, 0.5)
+    for pair in range(8):
+        better = 2 * pair + int(after[0, 0, 2 * pair + 1] > after[0, 0, 2 * pair])
+        assert keep[0, :, better].all() and not keep[0, :, better ^ 1].any()
+    # mode 2: the best and the worst of the tree's edges after the last split, k = max(2, int(ratio n))
+    values = torch.randn(1, 3, 16)
+    keep = kept_by_width(values, 2, 0.25)  # n 48, k 12: the 6 best and the 6 worst
+    ranked = values.flatten().argsort(descending=True)
+    assert set(keep.flatten().nonzero().flatten().tolist()) == set(ranked[:6].tolist()) | set(ranked[-6:].tolist())
+    widths = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, width_pruning=1)
+    assert int(widths.edge_mask(0, torch.randn(1, 20, 16), list(range(20)))[0].sum()) == 218 - 80  # 8.625 a leaf
+
+
+def test_one_update_against_the_restatement():
+    # every edge once, in its prompt's random order, an optimizer step every `edges_per_step` edges of the
+    # prompt, each edge's clipped loss divided by the step's edges times the tree's, with batch-1 forwards
+    torch.manual_seed(0)
+    sigmas = sigma_schedule(6, 3.0)
+    weight = torch.nn.Parameter(torch.tensor(0.3))
+    net = lambda x, s, i: weight * x
+    method = branch(clip_range=0.05, max_grad_norm=100.0, edges_per_step=6)
+    with torch.no_grad():
+        rollout = method.rollout(net, torch.randn(1, 3), sigmas, [torch.Generator().manual_seed(0)],
+                                 method.trained_steps(0))
+    advantages = torch.randn(1, 6, 4)
+    method.update(rollout, advantages, UpdateContext(net, [weight], torch.optim.SGD([weight], lr=10.0), sigmas,
+                                                     generators=[torch.Generator().manual_seed(7)]))
+    ours = float(weight.detach())
+
+    weight.data.fill_(0.3)
+    optimizer = torch.optim.SGD([weight], lr=10.0)
+    edges = [(i, leaf) for i, m in enumerate(edges_per_step(6, [0, 2])) for leaf in range(0, 4, 4 // m)]
+    assert len(edges) == 20
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(7)).tolist()
+    for start in range(0, 20, 6):  # 4 optimizer steps: 6, 6, 6, 2 edges
+        for e in order[start : start + 6]:
+            i, leaf = edges[e]
+            x = rollout.start_latents[0, i, leaf : leaf + 1]
+            _, log_prob = method.step(x, net(x, None, None), sigmas, i,
+                                      next_latents=rollout.next_latents[0, i, leaf : leaf + 1])
+            ratio = torch.exp(log_prob - rollout.old_log_probs[0, i, leaf])
+            a = advantages[0, i, leaf]
+            (torch.maximum(-a * ratio, -a * ratio.clamp(0.95, 1.05)).sum() / (6 * 20)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert abs(ours - float(weight.detach())) < 1e-6 and abs(ours - 0.3) > 1e-5
+
+
+def test_its_refusals(capsys):
+    for argv, words in [(["--group-size", "6"], "a tree with 3 binary splits has 8 leaves"),
+                        (["--split-points", "0", "7", "2"], "distinct steps in 0..6"),
+                        (["--width-pruning", "3"], "mode 0, 1 or 2"),
+                        (["--depth-pruning", "9"], "depths in 1..8"),
+                        (["--sde-type", "cps", "--eta", "2"], "(0, 1]")]:
+        with pytest.raises(SystemExit):
+            flags.check_flags(flags.parse_args(["--model", "tiny", "--method", "branchgrpo", *argv]), world=1)
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1, (argv, err)
+    # with --sde-type cps the last step (no noise) is sampled but not trained
+    cps = flags.method_of(flags.parse_args(["--model", "tiny", "--method", "branchgrpo", "--sde-type", "cps"]))
+    assert cps.trained_steps(0) == list(range(7))
