@@ -138,7 +138,7 @@ class G2RPO(Method, SDEStep):
                              granularities=self.granularities, eta=self.eta, max_batch=self.max_batch,
                              image_only_fn=image_only_fn, sde_type=self.sde_type)
 
-    def advantages(self, scores, weights, ranks=None):
+    def advantages(self, scores, weights, ranks=None, rollout=None):
         """scores: (B, J, K, G, R) -> A[i, k] (B, K, G): each (reward, granularity, step) normalised in its group,
         summed with the reward weights (R,), clamped (`advantage.granular_advantages`)."""
         return granular_advantages(scores, adv_clip_max=self.adv_clip_max, weights=weights)

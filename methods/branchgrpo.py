@@ -214,7 +214,8 @@ class BranchGRPO(Method, SDEStep):
             return (f"--group-size {self.group_size}: a tree with {len(splits)} binary splits has "
                     f"{2 ** len(splits)} leaves; set --group-size {2 ** len(splits)} or change --split-points")
         if self.split_noise_scale <= 0 or self.edges_per_step < 1:
-            return f"--split-noise-scale must be > 0 and --edges-per-step >= 1 (BranchGRPO 4.0, 6)"
+            return (f"--split-noise-scale {self.split_noise_scale} --edges-per-step {self.edges_per_step}: the "
+                    f"scale must be > 0 and the edges >= 1 (BranchGRPO 4.0, 6)")
         if self.width_pruning not in (0, 1, 2) or not 0 < self.width_pruning_ratio <= 1:
             return (f"--width-pruning {self.width_pruning} --width-pruning-ratio {self.width_pruning_ratio}: mode "
                     f"0, 1 or 2, a ratio in (0, 1]")

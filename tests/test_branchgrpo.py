@@ -14,7 +14,7 @@ import torch
 
 from lab import flags
 from methods.base import UpdateContext
-from methods.branchgrpo import BranchGRPO, edges_per_step, kept_by_width, tree_rollout
+from methods.branchgrpo import BranchGRPO, edges_per_step, kept_by_width
 from sampler import sigma_schedule
 from test_baselines import make
 
