@@ -17,7 +17,7 @@ Rewards and advantages, for the tree of one prompt:
 Edge parent -> child at step i (the child at depth i + 1) trains with A(child), by PPO's clipped surrogate of
 G2RPO's ratio (g2rpo.clipped_loss). All edges of a tree are trained, in a random order; an optimizer step every
 `--edges-per-step` edges of each prompt, the loss of an edge divided by the edges of one optimizer step times the
-edges of a tree.
+edges of a tree. The edges of an optimizer step go to the transformer together, each row at its own step's sigma.
 
 Pruning drops edges from the loss only (the rollout and the rewards stay whole), while the iteration is within the
 first --pruning-until of the run:
@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from methods.base import Method, SDEStep, optimizer_step, update_stats
+from g2rpo import clipped_loss
+from methods.base import Method, SDEStep, optimizer_step, ratio_stats, update_stats
 from methods.dancegrpo import DanceGRPO
-from methods.trajectories import weighted_step_loss_backward
 from sampler import CountingVelocity, Rollout, prompt_noise
 
 
@@ -301,12 +301,41 @@ class BranchGRPO(Method, SDEStep):
         ctx.optimizer.zero_grad(set_to_none=True)
         for _ in range(self.inner_epochs):
             for start in range(0, per_tree, self.edges_per_step):
-                chunk = torch.zeros(B, K, G)  # (B, K, G): this optimizer step's edges, each its loss's weight
-                for b, order in enumerate(orders):
-                    ki, leaf = order[start : start + self.edges_per_step].T
-                    chunk[b, ki, leaf] = 1.0 / (B * self.edges_per_step * per_tree)
-                for ki in range(K):  # every step, on every rank alike (a step no rank trains forwards nothing)
-                    per_step.append(weighted_step_loss_backward(self, ctx, rollout, advantages[:, ki], ki,
-                                                                chunk[:, ki]))
+                edges = torch.cat([torch.cat([torch.full((len(chunk), 1), b), chunk], 1) for b, chunk in
+                                   enumerate(order[start : start + self.edges_per_step] for order in orders)])
+                per_step.append(self.edges_loss_backward(ctx, rollout, advantages, edges,
+                                                         1.0 / (B * self.edges_per_step * per_tree)))
                 grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, self.max_grad_norm))
         return update_stats(per_step, grad_norms, per_optimizer_step=True)
+
+    def edges_loss_backward(self, ctx, rollout, advantages, edges, weight):
+        """The clipped loss of `edges` ((n, 3): prompt, trained step, leaf), each times `weight`, back-propagated in
+        micro-batches of at most --max-batch edges, each one transformer call whatever its edges' steps (the sigma
+        goes per row). Returns its statistics."""
+        loss, kl, log_ratios = 0.0, 0.0, []
+        for rows in edges.split(self.max_batch):
+            b, ki, leaf = rows.T  # (m,) each
+            x = rollout.start_latents[b, ki, leaf]  # (m, ...)
+            steps = torch.tensor(rollout.sde_steps)[ki]  # (m,) the step of each edge
+            sigma, index = ctx.sigmas[steps].to(x.device), b.to(x.device)
+            velocity = ctx.velocity_fn(x, sigma, index)  # (m, ...)
+            base = None
+            if self.kl_beta > 0:
+                with torch.no_grad():
+                    base = ctx.base_velocity_fn(x, sigma, index)
+            batch_loss = 0.0
+            for k in steps.unique().tolist():  # the step's formula, per step of the batch
+                at = (steps == k).nonzero().flatten()
+                _, log_probs = self.step(x[at], velocity[at], ctx.sigmas, k,
+                                         next_latents=rollout.next_latents[b[at], ki[at], leaf[at]])  # (m_k,)
+                old = rollout.old_log_probs[b[at], ki[at], leaf[at]].to(log_probs.device)
+                batch_loss = batch_loss + clipped_loss(log_probs, old, advantages[b[at], ki[at], leaf[at]].to(
+                    log_probs.device), self.clip_range, torch.full_like(old, weight))
+                if base is not None:
+                    step_kl = self.kl(velocity[at], base[at], ctx.sigmas, k).sum() * weight
+                    batch_loss = batch_loss + self.kl_beta * step_kl
+                    kl += float(step_kl.detach())
+                log_ratios.append((log_probs - old).detach())
+            batch_loss.backward()  # (not finite: the gradient norm skips the step on every rank alike)
+            loss += float(batch_loss.detach())
+        return {"loss": loss, "kl": kl, **ratio_stats(torch.cat(log_ratios), self.clip_range)}
