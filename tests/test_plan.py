@@ -181,6 +181,7 @@ def test_fsdp_shards_what_one_rank_holds(fused):
     update_one, update_two = fused[0][4].cost.peak, two[4].cost.peak
     assert update_two["optimizer"] == pytest.approx(update_one["optimizer"] / 2, rel=0.05)
     assert update_two["weights"] < update_one["weights"]  # its shard, plus the blocks gathered for a forward
+    assert two[2].cost.peak["other"] > 0  # the rollout's storage, net of the shards it does not hold anew
 
 
 def test_report_says_whether_it_fits(capsys):

@@ -852,7 +852,8 @@ def sampled_storage(sample, noise, fake_mode=None, resident=()):
     `noise` made fake under `fake_mode`. Returns what it returns and, per transformer call, (batch, bytes held
     beyond the `resident` tensors, which it may touch but does not hold anew)."""
     tracker, calls = Tracker(), []
-    already = sum(t.untyped_storage().nbytes() for t in resident)  # counted in the resident row
+    # counted in the resident row; a DTensor's storage is the whole tensor's, the tracker counts this rank's shard
+    already = sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in resident)
 
     def zero_velocity(x, sigma, prompt_index):
         held = sum(device["Total"] for device in tracker.get_tracker_snapshot().values()) - already
