@@ -26,6 +26,8 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     recipes = {r[0]: (r[2], r[4]) for r in out["rollout_cost"] if r[0].startswith("--method")}
     assert recipes["--method dancegrpo"] == (192, 108) and recipes["--method flow-grpo"] == (144, 120)
     assert recipes["--method mixgrpo"] == (300, 48)
+    # BranchGRPO's tree of 16 leaves: 203 forwards and 218 edges trained; Flow-DPPO's 16 trajectories, 3 trained steps
+    assert recipes["--method branchgrpo"] == (203, 218) and recipes["--method flow-dppo"] == (160, 48)
     speed = out["speed"]
     assert speed["batched"]["nfe"] < speed["reference"]["nfe"]
     assert speed["batched"]["sampling"] < speed["reference"]["sampling"]
