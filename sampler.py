@@ -70,7 +70,7 @@ def sde_std_dev(sigmas, i, eta) -> float:
 
 def sde_mean_std(x, v, sigmas, i, std_dev):
     """The Gaussian step from sigmas[i] to sigmas[i + 1] with noise scale `std_dev`: (mean, std) of x_next given x
-    and the velocity v (fp32). dt = sigma' - sigma < 0:
+    and the velocity v (in their dtype: the callers pass fp32). dt = sigma' - sigma < 0:
         mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
         std  = std_dev * sqrt(-dt)
     """
@@ -81,7 +81,8 @@ def sde_mean_std(x, v, sigmas, i, std_dev):
 
 
 def cps_mean_std(x, v, sigmas, i, eta):
-    """The coefficients-preserving step from sigmas[i] to sigmas[i + 1]: (mean, std) of x_next given x and v (fp32).
+    """The coefficients-preserving step from sigmas[i] to sigmas[i + 1]: (mean, std) of x_next given x and v (in their
+    dtype: the callers pass fp32).
         mean = (1 - sigma') (x - sigma v) + sqrt(sigma'^2 - std^2) (x + (1 - sigma) v),   std = sigma' sin(eta pi / 2)
     so x_next = mean + std * noise carries noise of std sigma' in all, as the schedule's x_sigma' does (eta <= 1)."""
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
@@ -107,7 +108,8 @@ def gaussian_step(mean, std, noise=None, next_latents=None, sde_type="flow"):
     next_latents = next_latents.float()
     if sde_type == "cps":
         # the Gaussian's log-density less its constant and times 2 std^2 (the std is the old and the new policy's
-        # alike, so the ratio keeps its sign, not its size). The step into sigma 0 has std 0: its sample scores 0
+        # alike, so the ratio keeps its sign, not its size). The step into sigma 0 has std 0: its own sample scores 0
+        # at sampling time (and cannot be trained: a run that would is refused)
         log_prob = -((next_latents - mean) ** 2)
     else:
         # log N(x_next; mean, std^2), averaged (not summed) over every non-batch element: this fixes the scale of
@@ -151,12 +153,10 @@ def sde_kl(velocity, base_velocity, sigmas, i, std_dev):
 
 def cps_kl(velocity, base_velocity, sigmas, i, eta):
     """KL(policy step || base model step) of the CPS step, per sample (batch,): the same std, and means that differ
-    through v's coefficient c = -(1 - sigma') sigma + sqrt(sigma'^2 - std^2) (1 - sigma) in `cps_mean_std`:
-    KL = |(v - v_base) c|^2 / (2 std^2); the step into sigma 0 has no noise, and no KL is taken there (0)."""
-    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-    std = sigma_next * math.sin(eta * math.pi / 2)
-    c = -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma)
-    mean_gap = (velocity.float() - base_velocity.float()) * c
+    through the velocity alone (`cps_mean_std` is linear in (x, v), so mean(x, v) - mean(x, v_base) = mean(0, v -
+    v_base)): KL = |mean gap|^2 / (2 std^2); the step into sigma 0 has no noise, and no KL is taken there (0)."""
+    gap = velocity.float() - base_velocity.float()
+    mean_gap, std = cps_mean_std(torch.zeros_like(gap), gap, sigmas, i, eta)
     kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 

@@ -188,7 +188,8 @@ class SDEStep:
     """What every method that samples SDE steps shares: its --sde-type, and the step, mean and KL of that type. A
     method derives from it and from `Method`; its flow step is sampler.sde_step's at its eta, unless it redefines
     `std_dev` (DanceGRPO's constant noise scale). `per_sde_type`: {sde_type: {model: values}}, the values another
-    --sde-type sets under --model unless given (the clip range its log-prob's scale needs, and whose it is)."""
+    --sde-type sets under --model unless given (the clip range its log-prob's scale needs; a comment names its
+    source)."""
 
     sde_type: Literal[SDE_TYPES] = "flow"
     """The SDE step: flow (the method's Gaussian step) or cps (coefficients-preserving: the noise after a step
@@ -199,8 +200,9 @@ class SDEStep:
     # range and eta (`*_fast_nocfg`: 1e-5, 0.8; Flow-Factory's CPS recipes take 1e-4 at the same eta)
     per_sde_type = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}
 
-    def sde_type_problem(self, trained_steps=(), num_steps=0):
-        """Why the step type cannot run these values, in one line, or None."""
+    def sde_type_problem(self, trained_steps, num_steps):
+        """Why the step type cannot run these values, in one line, or None. trained_steps: every step the method may
+        train on a schedule of num_steps (the step into sigma 0 cannot be trained on the CPS step)."""
         if self.sde_type == "cps" and not 0 < self.eta <= 1:
             return (f"--eta {self.eta} with --sde-type cps: its noise std is sigma' sin(eta pi / 2), so eta lies in "
                     f"(0, 1] (Flow-GRPO-Fast 0.8)")
@@ -233,6 +235,11 @@ class SDEStep:
 # ---------------------------------------------------------------------------------------------------------------
 # What the SDE-step updates share: the members' log-probabilities, the optimizer step, the statistics
 # ---------------------------------------------------------------------------------------------------------------
+def iteration_generator(seed, iteration):
+    """The generator of an iteration's choice of steps (a random window, random SDE steps), the same on every rank."""
+    return torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
+
+
 def per_member_noise(draw, generators, group_size):
     """x_T, one per member, drawn in turn from its prompt's generator: (B, G, ...)."""
     return draw([gen for gen in generators for _ in range(group_size)]).unflatten(0, (len(generators), group_size))

@@ -15,17 +15,18 @@ Rewards and advantages, for the tree of one prompt:
     A(node)   = (R(node) - mean_d R) / (std_d R + 1e-8)   over the nodes of its depth d (std unbiased; A = 0 where
                 the depth has one node or std < 1e-6),  clipped to +-5
 Edge parent -> child at step i (the child at depth i + 1) trains with A(child), by PPO's clipped surrogate of
-G2RPO's ratio (g2rpo.clipped_loss). All edges of a tree are trained, in a random order; an optimizer step every
-`--edges-per-step` edges of each prompt, the loss of an edge divided by the edges of one optimizer step times the
-edges of a tree. The edges of an optimizer step go to the transformer together, each row at its own step's sigma.
+the edge's ratio r = pi_theta(child | parent) / pi_old(child | parent) (g2rpo.clipped_loss). All edges of a tree are
+trained, in a random order; an optimizer step every `--edges-per-step` edges of each prompt, each edge's loss times
+1 / (B x --edges-per-step x the edges of a tree). The edges of an optimizer step go to the transformer together,
+each row at its own step's sigma.
 
 Pruning drops edges from the loss only (the rollout and the rewards stay whole), while the iteration is within the
 first --pruning-until of the run:
   - depth: the edges into the depths of --depth-pruning; --depth-pruning-slide moves those depths one shallower
     every --depth-pruning-interval iterations, until the shallowest reaches --depth-pruning-stop;
-  - width, after the last split: mode 1 keeps, within each pair of siblings of the last split, the top
-    --width-pruning-ratio of their edges by advantage (the better sibling's chain); mode 2 keeps, over the tree's
-    edges after the last split, the best and the worst, k = max(2, ratio n) in all.
+  - width, after the last split, among the edges depth pruning left: mode 1 keeps, of each leaf's chain of edges
+    after the last split, the top max(1, int(--width-pruning-ratio n)) by advantage (equal along a chain, so its
+    earliest); mode 2 keeps, over the tree's such edges, the best and the worst, k = max(2, int(ratio n)) in all.
 
 Leaves sit in the tree's order, so the rollout stores each trained step in the interface's (B, K, G) layout: edge e
 of m at step i is leaf block e (G / m leaves), its representative the first leaf of the block, which alone trains it
@@ -41,12 +42,14 @@ Differences from the authors' code:
   1. Each prompt's edges are shuffled on their own (its generator) and every optimizer step takes --edges-per-step
      edges of each prompt (theirs shuffles a GPU's 2 trees together, 12 edges a step: the flux preset's 6 a prompt).
   2. Width pruning's mode 2 ranks the edges of each tree (theirs, those of a GPU's trees together).
-  3. Pruning applies while iteration + 1 <= int(--pruning-until x --num-iterations), as theirs; its mixed ODE-SDE
+  3. Each prompt's tree has its own x_T (theirs, `--init_same_noise`, shares one across a GPU's prompts).
+  4. Pruning applies while iteration + 1 <= int(--pruning-until x --num-iterations), as theirs; its mixed ODE-SDE
      tree (`--mix_ode_sde_tree`) is not built here.
-  4. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer (theirs
+  5. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer (theirs
      passes int(1000 sigma) / 1000), and the log-prob keeps the Gaussian's constants, which cancel in the ratio.
-  5. With --sde-type cps the last step has no noise, so it is sampled but not trained.
-  6. On presets other than --model flux, the preset's sizes stand; the tiny model's 8 steps and 8 leaves split at
+  6. With --sde-type cps the last step has no noise, so it is sampled but not trained; a split's scaled noise then
+     carries x' past the schedule's noise level, which the CPS step otherwise keeps.
+  7. On presets other than --model flux, the preset's sizes stand; the tiny model's 8 steps and 8 leaves split at
      0, 2 and 4.
 
 Run it:
@@ -63,7 +66,6 @@ import torch
 
 from g2rpo import clipped_loss
 from methods.base import Method, SDEStep, optimizer_step, ratio_stats, update_stats
-from methods.dancegrpo import DanceGRPO
 from sampler import CountingVelocity, Rollout, prompt_noise
 
 
@@ -90,21 +92,23 @@ def tree_rollout(velocity_fn, noise, sigmas, generators, *, leaves, split_points
     for i in range(len(sigmas) - 1):
         n, children = x.shape[1], 2 if i in split_points else 1
         flat = x.flatten(0, 1)  # (B n, ...)
-        index = torch.arange(B, device=device).repeat_interleave(n)
-        v = (forward if i in trained else image_forward)(flat, sigmas[i].expand(B * n).to(device), index)
+        index = torch.arange(B, device=device).repeat_interleave(n)  # (B n,)
+        v = (forward if i in trained else image_forward)(flat, sigmas[i].expand(B * n).to(device), index)  # (B n, ...)
         eps = prompt_noise(generators, (n * children, *shape), device).flatten(0, 1)  # (B n c, ...)
         scale = split_noise_scale if children == 2 else 1.0
         # the sample has scale x the step's noise; its log-prob is taken under the step's own std
         x_next, log_prob = step_fn(flat.repeat_interleave(children, 0), v.repeat_interleave(children, 0), sigmas, i,
                                    noise=scale * eps)  # (B n c, ...), (B n c,)
-        x_next = x_next.view(B, n * children, *shape)
-        if i in trained:  # the parent of edge e is node e // c
+        x_next = x_next.view(B, n * children, *shape)  # (B, n c, ...): node p's children at p c .. p c + c - 1
+        if i in trained:  # the parent of edge e is node e // c; each (B, G, ...) or (B, G)
             kept[i] = (to_leaves(x.repeat_interleave(children, 1), leaves), to_leaves(x_next, leaves),
                        to_leaves(log_prob.view(B, n * children), leaves))
         if i == len(sigmas) - 2:
             final = (flat - float(sigmas[i]) * v.float()).view(B, n, *shape)  # x0_hat of the last step: (B, G, ...)
         x = x_next
-    stack = lambda part: torch.stack([kept[k][part] for k in trained], 1)  # (B, K, G, ...)
+
+    def stack(part):  # the trained steps' part along dim 1: (B, K, G, ...)
+        return torch.stack([kept[k][part] for k in trained], 1)
     return Rollout(start_latents=stack(0), next_latents=stack(1), old_log_probs=stack(2),
                    final_latents=final.view(B, 1, 1, leaves, *shape), anchor_final=None, sde_steps=list(trained),
                    granularities=[], **CountingVelocity.totals(forward, image_forward))
@@ -137,26 +141,30 @@ def depth_advantages(rewards):
     return torch.where(std < 1e-6, torch.zeros_like(advantages), advantages)
 
 
-def kept_by_width(advantages, mode, ratio):
-    """Width pruning of the edges after the last split, advantages (B, E, G) of those E steps, one edge per leaf a
-    step: mode 1 keeps the top max(1, int(ratio n)) of each sibling pair's n edges by advantage; mode 2 the best
-    int(k / 2) and the worst k - int(k / 2) of the tree's, k = max(2, int(ratio n)). Ties go to the earlier edge.
-    Returns (B, E, G) bool."""
+def kept_by_width(advantages, alive, mode, ratio):
+    """Width pruning of the edges after the last split: advantages and alive (B, E, G) over those E steps, one edge a
+    leaf a step, alive where depth pruning left the edge. Among the alive edges, mode 1 keeps the top
+    max(1, int(ratio n)) of each leaf's chain of n by advantage, mode 2 the best int(k / 2) and the worst
+    k - int(k / 2) of the tree's n, k = max(2, int(ratio n)); ties go to the earlier step. Returns (B, E, G) bool."""
     B, E, G = advantages.shape
-    groups = advantages.view(B, E, G // 2, 2).permute(0, 2, 1, 3).reshape(B, G // 2, 2 * E) if mode == 1 \
-        else advantages.reshape(B, 1, E * G)  # (B, groups, n)
-    n = groups.shape[2]
-    order = torch.argsort(groups, dim=2, descending=True, stable=True)  # best first
-    keep = torch.zeros_like(groups, dtype=torch.bool)
-    if mode == 1:
-        keep.scatter_(2, order[..., : max(1, int(ratio * n))], True)
-    else:
-        k = max(2, int(ratio * n))
-        keep.scatter_(2, order[..., : k // 2], True)
-        keep.scatter_(2, order[..., n - (k - k // 2):], True)
-    if mode == 1:
-        return keep.view(B, G // 2, E, 2).permute(0, 2, 1, 3).reshape(B, E, G)
-    return keep.view(B, E, G)
+    keep = torch.zeros_like(alive)  # (B, E, G)
+    for b in range(B):
+        if mode == 1:  # each group's edges, earliest step first: a leaf's chain
+            chains = [[(e, g) for e in range(E)] for g in range(G)]
+        else:  # the tree's
+            chains = [[(e, g) for e in range(E) for g in range(G)]]
+        for group in chains:
+            live = [(e, g) for e, g in group if alive[b, e, g]]
+            ranked = sorted(live, key=lambda edge: -float(advantages[b, edge[0], edge[1]]))  # best first, stable
+            n = len(ranked)
+            if mode == 1:
+                chosen = ranked[: max(1, int(ratio * n))]
+            else:
+                k = min(n, max(2, int(ratio * n)))
+                chosen = ranked[: k // 2] + ranked[n - (k - k // 2):]
+            for e, g in chosen:
+                keep[b, e, g] = True
+    return keep
 
 
 @dataclass
@@ -203,7 +211,9 @@ class BranchGRPO(Method, SDEStep):
                             num_iterations=300, rewards=["hps=1.0"]),
                "tiny": dict(split_points=[0, 2, 4])}
 
-    std_dev = DanceGRPO.std_dev  # its SDE step is DanceGRPO's (std_dev = eta)
+    def std_dev(self, sigmas, i):
+        """Its SDE step is DanceGRPO's: the flow step's mean and std at a constant std_dev = eta."""
+        return self.eta
 
     def problem(self, num_steps):
         splits = self.split_points
@@ -219,8 +229,8 @@ class BranchGRPO(Method, SDEStep):
         if self.width_pruning not in (0, 1, 2) or not 0 < self.width_pruning_ratio <= 1:
             return (f"--width-pruning {self.width_pruning} --width-pruning-ratio {self.width_pruning_ratio}: mode "
                     f"0, 1 or 2, a ratio in (0, 1]")
-        if any(not 1 <= d <= num_steps for d in self.depth_pruning) or self.depth_pruning_interval < 1 \
-                or not 0 <= self.pruning_until <= 1:
+        depths_ok = all(1 <= d <= num_steps for d in self.depth_pruning)
+        if not depths_ok or self.depth_pruning_interval < 1 or not 0 <= self.pruning_until <= 1:
             return (f"--depth-pruning {self.depth_pruning}: depths in 1..{num_steps}, an interval >= 1, "
                     f"--pruning-until in [0, 1]")
         return self.sde_type_problem(self.trained_steps(0), num_steps)
@@ -243,21 +253,29 @@ class BranchGRPO(Method, SDEStep):
         edges = edges_per_step(self.num_steps, self.split_points)
         log_probs = None
         if self.tree_prob_weighted:  # each split step's edges' old log-probs, one per edge
+            if rollout is None:
+                raise ValueError("--tree-prob-weighted takes its node rewards from the rollout's log-probs: pass it")
             log_probs = {i: rollout.old_log_probs[:, rollout.sde_steps.index(i), :: self.group_size // edges[i]]
                          for i in self.split_points}
         rewards = node_rewards(leaf, edges, self.split_points, log_probs)
         steps = rollout.sde_steps if rollout is not None else self.trained_steps(0)
+        # (B, K, G): each trained step's children, normalised within their depth, over their leaf blocks
         advantages = torch.stack([to_leaves(depth_advantages(rewards[i]), self.group_size) for i in steps], 1)
         return advantages.clamp(-self.adv_clip_max, self.adv_clip_max)  # (B, K, G)
 
+    def pruning(self, iteration):
+        """Whether pruning applies in iteration `iteration` (0-based): iteration + 1 <= int(until x iterations)."""
+        return iteration + 1 <= int(self.pruning_until * self.num_iterations)
+
     def pruned_depths(self, iteration):
-        """The depths whose edges leave the loss in iteration `iteration`."""
-        if not self.depth_pruning or iteration + 1 > int(self.pruning_until * self.num_iterations):
+        """The depths whose edges leave the loss in iteration `iteration`: --depth-pruning, moved one shallower every
+        interval of iterations counted from 1, down to the stop."""
+        if not self.depth_pruning or not self.pruning(iteration):
             return set()
         shift = 0
         if self.depth_pruning_slide:
             stop = self.depth_pruning_stop or max(self.split_points)
-            shift = max(0, min(iteration // self.depth_pruning_interval, min(self.depth_pruning) - stop))
+            shift = max(0, min((iteration + 1) // self.depth_pruning_interval, min(self.depth_pruning) - stop))
         return {d - shift for d in self.depth_pruning}
 
     def edge_mask(self, iteration, advantages, steps):
@@ -269,10 +287,12 @@ class BranchGRPO(Method, SDEStep):
         for ki, i in enumerate(steps):
             if i + 1 not in pruned:
                 mask[:, ki, :: G // edges[i]] = True
-        pruning = iteration + 1 <= int(self.pruning_until * self.num_iterations)
-        after = [ki for ki, i in enumerate(steps) if i > max(self.split_points)]
-        if self.width_pruning and pruning and after:
-            mask[:, after] &= kept_by_width(advantages[:, after].cpu(), self.width_pruning, self.width_pruning_ratio)
+        after = [ki for ki, i in enumerate(steps) if i > max(self.split_points)]  # one edge a leaf a step
+        if self.width_pruning and self.pruning(iteration) and after:
+            alive = torch.zeros(B, len(after), G, dtype=torch.bool)  # (B, E, G): every leaf's edge, if not pruned
+            alive[:, [a for a, ki in enumerate(after) if mask[0, ki].any()]] = True
+            mask[:, after] = kept_by_width(advantages[:, after].cpu(), alive, self.width_pruning,
+                                           self.width_pruning_ratio)
         return mask
 
     def optimizer_steps(self, num_trained_steps):
@@ -290,12 +310,13 @@ class BranchGRPO(Method, SDEStep):
 
     def update(self, rollout, advantages, ctx):
         """Each prompt's trained edges in a random order of its own; each optimizer step on the next
-        --edges-per-step edges of every prompt, an edge's loss divided by the step's edges times a tree's."""
-        B, K, G = advantages.shape
+        --edges-per-step edges of every prompt, each edge's loss times 1 / (B x --edges-per-step x a tree's edges)."""
+        B = advantages.shape[0]
         mask = self.edge_mask(ctx.iteration, advantages, rollout.sde_steps)  # (B, K, G)
         per_tree = int(mask[0].sum())  # the same on every prompt, and so on every rank
         if per_tree == 0:
             return {"optimizer_steps": 0, "skipped_steps": 0}
+        # each prompt's edges, (per_tree, 2): (trained step, leaf), shuffled by its generator
         orders = [mask[b].nonzero()[torch.randperm(per_tree, generator=ctx.generators[b])] for b in range(B)]
         per_step, grad_norms = [], []
         ctx.optimizer.zero_grad(set_to_none=True)
@@ -303,6 +324,7 @@ class BranchGRPO(Method, SDEStep):
             for start in range(0, per_tree, self.edges_per_step):
                 edges = torch.cat([torch.cat([torch.full((len(chunk), 1), b), chunk], 1) for b, chunk in
                                    enumerate(order[start : start + self.edges_per_step] for order in orders)])
+                # (n, 3): prompt, trained step, leaf of the step's edges, every prompt's next ones
                 per_step.append(self.edges_loss_backward(ctx, rollout, advantages, edges,
                                                          1.0 / (B * self.edges_per_step * per_tree)))
                 grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, self.max_grad_norm))

@@ -20,10 +20,11 @@ among the first `--sde-window` steps, ODE elsewhere; the step is the coefficient
 sampler.py) by default. The mask's KL is the exact Gaussian KL of either step type, so its threshold means the
 same on both (a CPS ratio lives on another scale, the KL does not).
 
-From Flow-Factory's Flow-DPPO trainer and its SD3.5-M recipe (X-GenGroup/Flow-Factory,
-`examples/dppo/lora/sd3_5/geneval2_single.yaml`; the mask's KL of either step type as its x-based trust region):
+From Flow-Factory's Flow-DPPO trainer (X-GenGroup/Flow-Factory, `DPPOTrainer`: its x-based trust region, the KL of
+the step's Gaussian of either type) and its SD3.5-M recipe (`examples/dppo/lora/sd3_5/geneval2_single.yaml`):
   - CPS noise level 0.7; 10 steps, 3 SDE steps drawn among steps 0-5 each epoch;
-  - delta = 1e-6 (kl_mask_threshold), x-based; the KL to the base model x-based, mean |mu - mu_ref|^2, beta 1e-3;
+  - delta = 1e-6 (kl_mask_threshold); the pull to the base model x-based, beta 1e-3 on mean |mu - mu_ref|^2 (the
+    squared mean gap that Flow-Factory calls its x-based KL);
   - G 16, 64 prompts an epoch, 2 optimizer steps an epoch, one inner epoch, advantages over the global std,
     clipped to 5;
   - LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, gradient norm 1, 512^2, no CFG; EMA 0.9 every 4 epochs.
@@ -36,8 +37,6 @@ Differences from Flow-Factory's code:
   4. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer.
   5. --clip-range is not read (no ratio is clipped); losses/clipfrac still counts |r - 1| > --clip-range.
   6. On presets other than flux and sd3, the preset's sizes stand and only the algorithm changes.
-The official code (Tencent-Hunyuan/UniRL, `FlowDPPO/`) was not read for this file; the paper's reported GenEval2
-gains (48.1 against Flow-GRPO's 39.9 on SD3.5-M) are second-hand here.
 
 Run it:
     python train.py --model tiny --method flow-dppo
@@ -50,8 +49,7 @@ from typing import Literal
 
 import torch
 
-from methods.base import Method, SDEStep, global_std_advantages, per_member_noise
-from methods.flow_grpo import iteration_draw
+from methods.base import Method, SDEStep, global_std_advantages, iteration_generator, per_member_noise
 from methods.trajectories import accumulated_update, rollout_trajectories
 from sampler import SDE_TYPES
 
@@ -63,7 +61,7 @@ SD35 = dict(group_size=16, num_steps=10, shift=3.0, sigma_grid="sd3", resolution
 
 def random_steps(iteration, *, count, window, seed):
     """The SDE steps of an iteration: `count` distinct steps of 0..window - 1, drawn from (seed, iteration), sorted."""
-    return sorted(torch.randperm(window, generator=iteration_draw(seed, iteration))[:count].tolist())
+    return sorted(torch.randperm(window, generator=iteration_generator(seed, iteration))[:count].tolist())
 
 
 def trust_region_kl(mean, old_mean, std):
@@ -73,8 +71,9 @@ def trust_region_kl(mean, old_mean, std):
 
 
 def masked_loss(log_probs, old_log_probs, advantages, kl, threshold, weights):
-    """Flow-DPPO's loss, the weighted sum of -A r keep over members (n, M), and keep (n, M): a member is dropped
-    where KL >= threshold and r moves the way A pushes it (r > 1 for A > 0, r < 1 for A < 0). kl: (n, M) or (n, 1)."""
+    """Flow-DPPO's loss over members (n, M). Returns (loss, keep): loss = sum of weights * (-A r keep), a scalar;
+    keep (n, M) bool, False where KL >= threshold and r moves the way A pushes it (r > 1 for A > 0, r < 1 for A < 0).
+    kl: (n, M) or (n, 1), one per member or per start latent."""
     ratio = torch.exp(log_probs - old_log_probs)
     with torch.no_grad():
         along = ((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1))
@@ -147,8 +146,8 @@ class FlowDPPO(Method, SDEStep):
         return global_std_advantages(scores, weights, self.adv_clip_max, ranks)
 
     def kl(self, velocity, base_velocity, sigmas, i):
-        """Its KL to the base model, x-based: mean |mu - mu_ref|^2 per sample (n,). The means share x, so their gap
-        is the mean of the velocity gap from x = 0."""
+        """Its pull to the base model, x-based: mean |mu - mu_ref|^2 per sample (n,), the squared mean gap (not a
+        KL: no 1 / (2 std^2)). mean_std is linear in (x, v), so mu(x, v) - mu(x, v_ref) = mu(0, v - v_ref)."""
         gap = velocity.float() - base_velocity.float()
         mean_gap = self.mean_std(torch.zeros_like(gap), gap, sigmas, i)[0]
         return (mean_gap**2).mean(dim=tuple(range(1, gap.ndim)))
@@ -158,13 +157,13 @@ class FlowDPPO(Method, SDEStep):
 
     def update(self, rollout, advantages, ctx):
         """Flow-GRPO's accumulated update with the mask's loss; losses/masked_fraction: the share of trained members
-        dropped."""
+        the mask dropped, over every rank."""
         counts = [0, 0]  # members dropped, members trained
 
         def loss(ki, rows, velocity, log_probs, old_log_probs, step_advantages, weights):
             k = rollout.sde_steps[ki]
             x = rollout.start_latents[:, ki].flatten(0, 1)[rows]  # (n, ...): one member a row (S = G)
-            mean, std = self.mean_std(x, velocity, ctx.sigmas, k)  # (n, ...)
+            mean, std = self.mean_std(x, velocity.detach(), ctx.sigmas, k)  # (n, ...): the mask takes no gradient
             old_mean = rollout.old_means[:, ki].flatten(0, 1)[rows]  # (n, ...)
             kl = trust_region_kl(mean, old_mean, std)[:, None]  # (n, 1)
             batch_loss, keep = masked_loss(log_probs, old_log_probs, step_advantages, kl, self.kl_mask_threshold,
@@ -174,5 +173,6 @@ class FlowDPPO(Method, SDEStep):
             return batch_loss
 
         stats = accumulated_update(self, ctx, rollout, advantages, policy_loss=loss)
-        stats["masked_fraction"] = counts[0] / max(counts[1], 1)
+        all_sum = ctx.ranks.sum if ctx.ranks is not None else (lambda n: n)
+        stats["masked_fraction"] = all_sum(counts[0]) / max(all_sum(counts[1]), 1)  # over every rank's members
         return stats

@@ -37,7 +37,8 @@ from typing import Literal
 
 import torch
 
-from methods.base import Method, SDEStep, check_sde_steps, global_std_advantages, per_member_noise
+from methods.base import (Method, SDEStep, check_sde_steps, global_std_advantages, iteration_generator,
+                          per_member_noise)
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
 from sampler import SDE_TYPES, sde_std_dev
 
@@ -55,15 +56,10 @@ def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (n,)
 
 
-def iteration_draw(seed, iteration):
-    """The generator of an iteration's choice of steps, the same on every rank."""
-    return torch.Generator().manual_seed(seed * 7919 + iteration)  # 7919, a prime: distinct seeds, distinct draws
-
-
 def random_window(iteration, *, num_steps, size, end, seed):
     """Flow-GRPO-Fast's window: `size` consecutive steps drawn afresh each iteration from (seed, iteration),
     within steps 0..end - 1 (end 0: N)."""
-    start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=iteration_draw(seed, iteration)))
+    start = int(torch.randint((end or num_steps) - size + 1, (1,), generator=iteration_generator(seed, iteration)))
     return list(range(start, start + size))
 
 

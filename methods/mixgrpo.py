@@ -79,7 +79,7 @@ class MixGRPO(Method, SDEStep):
             return f"--window-size {self.window_size} is longer than the schedule of --num-steps {num_steps}"
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
-        return self.sde_type_problem()  # (its window never reaches the last step)
+        return self.sde_type_problem(range(num_steps - 2), num_steps)  # (its window stays within 0..N-3)
 
     # ALGO LOGIC (the SDE step and its KL are SDEStep's: G2RPO's step, or --sde-type cps)
     def trained_steps(self, iteration):

@@ -113,7 +113,8 @@ def test_depth_and_width_pruning():
     # depth: the depths listed, sliding one shallower every interval down to the stop, while pruning lasts
     method = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, num_iterations=100,
                     depth_pruning=[15, 16], depth_pruning_interval=30, pruning_until=0.5)
-    assert [method.pruned_depths(it) for it in (0, 29, 30, 49)] == [{15, 16}, {15, 16}, {14, 15}, {14, 15}]
+    # (iterations counted from 1: the first move after iteration 30, 0-based 29)
+    assert [method.pruned_depths(it) for it in (0, 28, 29, 49)] == [{15, 16}, {15, 16}, {14, 15}, {14, 15}]
     assert method.pruned_depths(50) == set()  # iteration 51 > int(0.5 * 100)
     long = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, num_iterations=10**4,
                   depth_pruning=[15], depth_pruning_interval=1)
@@ -122,52 +123,61 @@ def test_depth_and_width_pruning():
     mask = method.edge_mask(0, advantages, list(range(20)))
     assert int(mask[0, 14].sum()) == 0 and int(mask[0, 15].sum()) == 0  # the edges into depths 15 and 16
     assert int(mask[0].sum()) == 218 - 32
-    # width, mode 1: of each sibling pair of the last split, the better's chain (half of the pair's edges)
+    # width, mode 1: of each leaf's chain after the last split, the top half by advantage, among the edges alive
     torch.manual_seed(0)
-    after = torch.randn(1, 4, 16).sort(dim=2).values * 0 + torch.randn(1, 1, 16)  # a leaf's A at every depth
-    keep = kept_by_width(after, 1, 0.5)
-    for pair in range(8):
-        better = 2 * pair + int(after[0, 0, 2 * pair + 1] > after[0, 0, 2 * pair])
-        assert keep[0, :, better].all() and not keep[0, :, better ^ 1].any()
+    values, alive = torch.randn(1, 4, 16), torch.ones(1, 4, 16, dtype=torch.bool)
+    keep = kept_by_width(values, alive, 1, 0.5)
+    for leaf in range(16):
+        top = values[0, :, leaf].argsort(descending=True)[:2]
+        assert set(keep[0, :, leaf].nonzero().flatten().tolist()) == set(top.tolist())
+    equal = kept_by_width(torch.randn(1, 1, 16).expand(1, 4, 16), alive, 1, 0.5)  # a leaf's A at every depth
+    assert equal[0, :2].all() and not equal[0, 2:].any()  # ties: the chain's earliest edges
+    alive[0, 0] = False  # an edge depth pruning took is not ranked: 3 left a chain, 1 kept
+    pruned = kept_by_width(values, alive, 1, 0.5)
+    assert (pruned.sum(1) == 1).all() and not pruned[0, 0].any()
     # mode 2: the best and the worst of the tree's edges after the last split, k = max(2, int(ratio n))
     values = torch.randn(1, 3, 16)
-    keep = kept_by_width(values, 2, 0.25)  # n 48, k 12: the 6 best and the 6 worst
+    keep = kept_by_width(values, torch.ones(1, 3, 16, dtype=torch.bool), 2, 0.25)  # n 48, k 12: 6 best, 6 worst
     ranked = values.flatten().argsort(descending=True)
     assert set(keep.flatten().nonzero().flatten().tolist()) == set(ranked[:6].tolist()) | set(ranked[-6:].tolist())
     widths = branch(num_steps=20, split_points=[0, 3, 6, 9], group_size=16, width_pruning=1)
-    assert int(widths.edge_mask(0, torch.randn(1, 20, 16), list(range(20)))[0].sum()) == 218 - 80  # 8.625 a leaf
+    # 80 of the 160 edges after the last split go: 138 trained, the authors' 8.625 a leaf of 16
+    assert int(widths.edge_mask(0, torch.randn(1, 20, 16), list(range(20)))[0].sum()) == 218 - 80
 
 
 def test_one_update_against_the_restatement():
-    # every edge once, in its prompt's random order, an optimizer step every `edges_per_step` edges of the
-    # prompt, each edge's clipped loss divided by the step's edges times the tree's, with batch-1 forwards
+    # two prompts: every edge once, in its prompt's random order, each optimizer step on the next `edges_per_step`
+    # edges of each prompt, each edge's clipped loss times 1 / (B x edges_per_step x the tree's edges), restated with
+    # batch-1 forwards
     torch.manual_seed(0)
-    sigmas = sigma_schedule(6, 3.0)
+    B, sigmas = 2, sigma_schedule(6, 3.0)
     weight = torch.nn.Parameter(torch.tensor(0.3))
-    net = lambda x, s, i: weight * x
+    net = lambda x, s, i: weight * x + 0.1 * i[:, None]
     method = branch(clip_range=0.05, max_grad_norm=100.0, edges_per_step=6)
     with torch.no_grad():
-        rollout = method.rollout(net, torch.randn(1, 3), sigmas, [torch.Generator().manual_seed(0)],
+        rollout = method.rollout(net, torch.randn(B, 3), sigmas, [torch.Generator().manual_seed(b) for b in range(B)],
                                  method.trained_steps(0))
-    advantages = torch.randn(1, 6, 4)
+    advantages = torch.randn(B, 6, 4)
+    shuffles = [torch.Generator().manual_seed(7 + b) for b in range(B)]
     method.update(rollout, advantages, UpdateContext(net, [weight], torch.optim.SGD([weight], lr=10.0), sigmas,
-                                                     generators=[torch.Generator().manual_seed(7)]))
+                                                     generators=shuffles))
     ours = float(weight.detach())
 
     weight.data.fill_(0.3)
     optimizer = torch.optim.SGD([weight], lr=10.0)
     edges = [(i, leaf) for i, m in enumerate(edges_per_step(6, [0, 2])) for leaf in range(0, 4, 4 // m)]
     assert len(edges) == 20
-    order = torch.randperm(20, generator=torch.Generator().manual_seed(7)).tolist()
-    for start in range(0, 20, 6):  # 4 optimizer steps: 6, 6, 6, 2 edges
-        for e in order[start : start + 6]:
-            i, leaf = edges[e]
-            x = rollout.start_latents[0, i, leaf : leaf + 1]
-            _, log_prob = method.step(x, net(x, None, None), sigmas, i,
-                                      next_latents=rollout.next_latents[0, i, leaf : leaf + 1])
-            ratio = torch.exp(log_prob - rollout.old_log_probs[0, i, leaf])
-            a = advantages[0, i, leaf]
-            (torch.maximum(-a * ratio, -a * ratio.clamp(0.95, 1.05)).sum() / (6 * 20)).backward()
+    orders = [torch.randperm(20, generator=torch.Generator().manual_seed(7 + b)).tolist() for b in range(B)]
+    for start in range(0, 20, 6):  # 4 optimizer steps: 6, 6, 6, 2 edges of each prompt
+        for b in range(B):
+            for e in orders[b][start : start + 6]:
+                i, leaf = edges[e]
+                x = rollout.start_latents[b, i, leaf : leaf + 1]
+                _, log_prob = method.step(x, net(x, None, torch.tensor([b])), sigmas, i,
+                                          next_latents=rollout.next_latents[b, i, leaf : leaf + 1])
+                ratio = torch.exp(log_prob - rollout.old_log_probs[b, i, leaf])
+                a = advantages[b, i, leaf]
+                (torch.maximum(-a * ratio, -a * ratio.clamp(0.95, 1.05)).sum() / (B * 6 * 20)).backward()
         optimizer.step()
         optimizer.zero_grad()
     assert abs(ours - float(weight.detach())) < 1e-6 and abs(ours - 0.3) > 1e-5
