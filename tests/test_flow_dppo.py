@@ -107,7 +107,7 @@ def test_one_update_against_the_restatement():
             a = float(advantages[0, ki, g])
             # the KL of the policy as it stands (the first chunk's step has moved it for the second)
             kl = float(((mean.detach() - rollout.old_means[0, ki, g].double()) ** 2).mean()) / (2 * std**2)
-            assert abs(float(ratio.detach()) - 1) > 1e-3  # no member on the mask's edge, where fp32 and fp64 could differ
+            assert abs(float(ratio.detach()) - 1) > 1e-3  # off the mask's edge, where fp32 could flip it
             outside = kl >= method.kl_mask_threshold
             if outside and ((a > 0 and ratio > 1) or (a < 0 and ratio < 1)):
                 dropped += 1
