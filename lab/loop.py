@@ -265,7 +265,11 @@ def train_loop(h, method, iteration_fn, config, start):
     # first its own number: a bench of many runs from one base evaluates that base once)
     first, last = args.first_eval_seeds or args.final_eval_seeds or args.eval_seeds, \
         args.final_eval_seeds or args.eval_seeds
-    held_out = lambda seeds=None: held_out_eval(h, seeds, common=min(first, last) if seeds in (first, last) else 0)
+    def held_out(seeds=None):  # its metrics, with its seconds (time/evaluation), and its images
+        started = time.time()
+        metrics, images = held_out_eval(h, seeds, common=min(first, last) if seeds in (first, last) else 0)
+        return {**metrics, "time/evaluation": time.time() - started}, images
+
     save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
                                  policy.adapter.pipeline_class, policy.params, policy.ema,
                                  final=done == args.num_iterations, states=method.state_dict() or None)
