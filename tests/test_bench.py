@@ -38,6 +38,9 @@ def test_bench_quick(tiny_cache, tmp_path, capsys):
     assert (tmp_path / "quick" / "learning_per_compute.png").exists()
     printed = capsys.readouterr().out
     assert "## 1." in printed and "## 2." in printed and "## 3." in printed and "headline half-widths" in printed
+    # each row's compute beside its result, and where its values come from
+    assert all(row["update_nfe"] > 0 and row["run_s"] > 0 for name, row in table.items() if name != bench.NO_LEARNING)
+    assert "| G2RPO {1,2,3} | G2RPO's tiny preset |" in printed and "hours at --jobs" in printed
     # a second bench in the same folder keeps every finished run
     bench.main(bench.Args(quick=True, tiny_cache=tiny_cache, output_dir=str(tmp_path), parts=(3,)))
     assert f"{2 * (len(table) - 1)} already finished; running 0" in capsys.readouterr().out  # lr 0: no runs
@@ -79,6 +82,10 @@ def test_intervals_on_hand_made_numbers():
     unpaired_gap, unpaired_half = bench.gap_interval(a, b, paired=False)
     assert abs(unpaired_gap - gap) < 1e-12 and unpaired_half > 10 * half
     assert bench.t975(1) == 12.706 and bench.t975(23.7) == 2.074 and bench.t975(1000) == 1.96
+    # the seeds a gap needs for a half-width of 0.05: sd = h sqrt(n) / t(n - 1), then the first n with t sd / sqrt(n)
+    # <= 0.05 (8 seeds at 0.111: sd 0.111 sqrt(8) / 2.365 = 0.1328; 29 seeds give 2.048 x 0.1328 / sqrt(29) = 0.0505,
+    # 30 seeds 0.0496)
+    assert bench.seeds_for(0.111, 8) == 30 and bench.seeds_for(0.04, 5) is None
 
 
 def test_the_budget_counts_the_runs_own_flags():
@@ -116,6 +123,12 @@ def test_the_default_rows_and_the_peers():
     assert bench.chosen_rows(bench.Args(methods=("DanceGRPO",))) == [bench.G2RPO_ROW, "DanceGRPO"]
     assert bench.chosen_rows(bench.Args(methods=(bench.NO_LEARNING,), peers=True)) == [
         bench.G2RPO_ROW, *bench.PEERS, bench.NO_LEARNING]
+    # every row: every registered method's among them, each row saying where its values come from
+    assert bench.chosen_rows(bench.Args(methods=("all",))) == list(bench.METHODS)
+    method_of = lambda argv: argv[argv.index("--method") + 1] if "--method" in argv else bench.DEFAULT_METHOD
+    assert {method_of(argv) for argv in bench.METHODS.values()} == set(bench.METHOD_CLASSES)
+    assert bench.values_from("DanceGRPO").startswith("its authors' (eta 0.3") and bench.values_from(
+        bench.NO_LEARNING) == "G2RPO's tiny preset; --lr 0"
 
 
 def test_a_stopped_run_is_never_reported(tmp_path):

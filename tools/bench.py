@@ -69,7 +69,8 @@ class Args:
     times a G2RPO run's (docs/performance.md)."""
     methods: tuple[str, ...] = ()
     """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run;
-    --peers adds the peers' rows to them); () = the paper's two claims and the controls."""
+    --peers adds the peers' rows to them); () = the paper's two claims and the controls; all = every row: the paper's
+    claims, every registered method, the controls."""
     extra: tuple[str, ...] = ()
     """Part 3: train.py flags added to every run (e.g. --max-batch 64); a repeated --extra adds to the earlier."""
     output_dir: str = "runs/bench"
@@ -290,13 +291,15 @@ def part3(args):
           f"({args.jobs or 1} at a time, one torch thread each)" if args.jobs else
           f"{len(runs)} runs, {len(runs) - len(todo)} already finished; running {len(todo)} in this process")
     _run_all(todo, args.jobs)
-    base = _read_curve(runs[0][3])[0]  # (0 NFE, 0 s, success, reward, its standard error)
+    base = _read_curve(runs[0][3])[0]  # (0 NFE, 0 s, success, reward, its standard error, 0 update forwards)
     curves = {name: [] for name in chosen_rows(args)}
+    seconds = {name: [] for name in curves}  # each run's, start to end (imports and evaluations too)
     for name, seed, argv, out in runs:
         curves[name].append([base, *_read_curve(out)[1:]])
+        seconds[name].append(_run_seconds(out))
     if NO_LEARNING in curves:
         curves[NO_LEARNING] = [[base]] * args.seeds
-    table = report(curves, args)
+    table = report(curves, args, seconds)
     print(f"\npart 3 took {(time.time() - started) / 60:.0f} minutes")
     _plot(curves, os.path.join(args.output_dir, "learning_per_compute.png"))
     with open(os.path.join(args.output_dir, "learning_per_compute.json"), "w") as f:
@@ -305,9 +308,9 @@ def part3(args):
 
 
 def chosen_rows(args):
-    """The table's rows in their order: G2RPO's (every gap's baseline) and those of --methods, or by default the
-    paper's two claims and the controls; the peers' recipes too under --peers."""
-    chosen = args.methods or [*HEADLINE, *CONTROLS]
+    """The table's rows in their order: G2RPO's (every gap's baseline) and those of --methods (all: every row), or by
+    default the paper's two claims and the controls; the peers' recipes too under --peers."""
+    chosen = list(METHODS) if "all" in args.methods else args.methods or [*HEADLINE, *CONTROLS]
     return [name for name in METHODS if name in (G2RPO_ROW, *chosen) or (args.peers and name in PEERS)]
 
 
@@ -317,9 +320,9 @@ def bench_runs(args):
     base = ["--model", "tiny", "--tiny-cache", args.tiny_cache, "--prompts-per-iteration",
             str(args.prompts_per_iteration), "--checkpoint-every", "100000", "--eval-seeds", str(args.eval_seeds),
             "--final-eval-seeds", str(args.final_eval_seeds), *args.extra]
-    unknown = set(args.methods) - set(METHODS)
+    unknown = set(args.methods) - set(METHODS) - {"all"}
     if unknown:
-        raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)}")
+        raise SystemExit(f"error: unknown --methods {sorted(unknown)}; choose from {list(METHODS)} or all")
     runs = []
     for name in chosen_rows(args):
         if name == NO_LEARNING:
@@ -340,23 +343,29 @@ def bench_runs(args):
     return runs
 
 
-def report(curves, args):
+def report(curves, args, seconds=None):
     """The table: each method's success rate and reward at the full budget, with 95 % intervals over training
     seeds, and its gaps to G2RPO {1,2,3} with their intervals; a gap is told apart only where its interval excludes
-    0. The interval's half-width is the smallest gap this run could tell apart. The controls' verdicts follow, for
-    the success rate and for the reward (the score training maximises)."""
-    final = {name: [run[-1] for run in runs] for name, runs in curves.items()}  # (nfe, wall, success, reward, se)
+    0. The interval's half-width is the smallest gap this run could tell apart. Beside them each row's compute: the
+    rollout NFE it spent, its update's forwards, its iterations' seconds (wall s) and, from `seconds` ({row: each
+    run's seconds, start to end}), a whole run's. The controls' verdicts follow, for the success rate and for the
+    reward (the score training maximises), then where each row's values come from."""
+    # each run's last point: (nfe, wall, success, reward, se, update forwards)
+    final = {name: [run[-1] for run in runs] for name, runs in curves.items()}
+    seconds = seconds or {}
     g2rpo = final[G2RPO_ROW]
     print("| method | success (95 % CI) | gap to G2RPO {1,2,3} | told apart | reward (95 % CI) | reward gap | "
-          "told apart | eval s.e. | NFE spent | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "told apart | eval s.e. | NFE spent | update forwards | wall s | s a run |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     table = {}
     ci = lambda m, h, f: f"{m:{f}} ± {h:{f.lstrip('+')}}" if h == h else f"{m:{f}} ± n/a"
     for name, points in final.items():
         paired = name != "control: G2RPO on other seeds"
         row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
                "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points),
-               "nfe": sum(p[0] for p in points) / len(points)}
+               "nfe": sum(p[0] for p in points) / len(points),
+               "update_nfe": sum(p[5] if len(p) > 5 else 0 for p in points) / len(points),
+               "run_s": _mean([s for s in seconds.get(name, []) if s is not None]), "values_from": values_from(name)}
         if name != G2RPO_ROW:
             row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in g2rpo], paired)
             row["reward_gap"] = gap_interval([p[3] for p in points], [p[3] for p in g2rpo], paired)
@@ -367,7 +376,8 @@ def report(curves, args):
             ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f"),
             "yes" if row["reward_told_apart"] else "no"]
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
-              f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['wall']:.0f} |")
+              f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['update_nfe']:,.0f} | "
+              f"{row['wall']:.0f} | {row['run_s']:.0f} |")
     start = curves[G2RPO_ROW][0][0]
     print(f"\nEvery method starts at a held-out success rate of {start[2]:.3f} and a reward of {start[3]:.4f}. A "
           f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds "
@@ -392,7 +402,54 @@ def report(curves, args):
     if widths:  # (a run of chosen --methods may have none)
         print("- headline half-widths in success: " + ", ".join(f"{n} {w:.3f}" for n, w in widths.items())
               + (" (all <= 0.05)" if all(w <= 0.05 for w in widths.values()) else " (above the 0.05 target)"))
+    needed = {n: seeds_for(table[n]["gap"][1], args.seeds) for n in table if "gap" in table[n]}
+    if any(needed.values()):
+        print("- training seeds a gap would need for a success half-width of 0.05, from this spread: "
+              + ", ".join(f"{n} {k}" for n, k in needed.items() if k))
+    measured = [s for runs in seconds.values() for s in runs if s is not None]
+    if measured:
+        print(f"- this table's {len(measured)} runs took {sum(measured) / 3600:.1f} hours of one core each: "
+              f"{sum(measured) / 3600 / max(args.jobs, 1):.1f} hours at --jobs {max(args.jobs, 1)}, "
+              f"about {sum(measured) / 3600 / 16:.1f} at --jobs 16 on 16 cores (a run's time as here)")
+    print("\n| method | values from |\n|---|---|")
+    for name, row in table.items():
+        print(f"| {name} | {row['values_from']} |")
     return table
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else float("nan")
+
+
+def seeds_for(half_width, seeds, target=0.05):
+    """Training seeds a gap's interval would need for a half-width of `target`, from its half-width at `seeds`
+    (the spread of the paired differences kept; Student's t at the new count), or None where it is met or unknown."""
+    if not half_width == half_width or half_width <= target or seeds < 2:
+        return None
+    sd = half_width * seeds**0.5 / t975(seeds - 1)  # the paired differences' standard deviation
+    n = seeds
+    while t975(n - 1) * sd / n**0.5 > target:
+        n += 1
+    return n
+
+
+def values_from(name):
+    """Where a row's tiny values come from: its method's authors (its recipe; every flag of its own at its
+    authors' default), those this project sets for the tiny world's 8 steps (its tiny preset), and every other value
+    the tiny preset's, G2RPO's (G 8, N 8, lr 1e-4, clip 1e-3); the row's own flags last."""
+    argv = METHODS[name]
+    method = argv[argv.index("--method") + 1] if "--method" in argv else DEFAULT_METHOD
+    rest = [a for i, a in enumerate(argv) if a != "--method" and (i == 0 or argv[i - 1] != "--method")]
+    cls = METHOD_CLASSES[method]
+    said = lambda values: ", ".join(f"{k} {v}" for k, v in values.items())
+    if method == DEFAULT_METHOD:
+        parts = ["G2RPO's tiny preset"]
+    else:
+        parts = [f"its authors' ({said(cls.recipe) + ', ' if cls.recipe else ''}its own flags' defaults)"]
+        if cls.presets.get("tiny"):
+            parts.append(f"set here for 8 steps ({said(cls.presets['tiny'])})")
+        parts.append("the rest G2RPO's tiny preset")
+    return "; ".join(parts) + (f"; {' '.join(rest)}" if rest else "")
 
 
 def _finished(argv, out):
@@ -424,10 +481,12 @@ def _training_flags(argv):
 
 
 def _run_all(todo, jobs):
-    """Each run to its end, then its marker: `jobs` subprocesses side by side, one torch thread each, so a result
-    does not depend on how many runs share the machine; jobs 0: one after another in this process."""
+    """Each run to its end, then its marker (its command and seconds): `jobs` subprocesses side by side, one torch
+    thread each, so a result does not depend on how many runs share the machine; jobs 0: one after another in this
+    process."""
     def one(run):
         name, seed, argv, out = run
+        started = time.time()
         argv = [*argv, "--overwrite"]  # a run cut short starts again
         if jobs:
             import subprocess
@@ -444,7 +503,7 @@ def _run_all(todo, jobs):
             raise SystemExit(f"error: {name} seed {seed} stopped before its last iteration; rerun the same command "
                              f"to continue (finished runs are kept)")
         with open(os.path.join(out, "bench_run.json"), "w") as f:
-            json.dump({"argv": run[2]}, f)
+            json.dump({"argv": run[2], "seconds": time.time() - started}, f)
         print(f"  done: {name}, seed {seed}", flush=True)
 
     if not jobs:
@@ -458,17 +517,25 @@ def _run_all(todo, jobs):
             future.result()
 
 
+def _run_seconds(out):
+    """A finished run's seconds from its start to its end, from its marker (None for a marker without them)."""
+    with open(os.path.join(out, "bench_run.json")) as f:
+        return json.load(f).get("seconds")
+
+
 def _read_curve(out):
-    """(cumulative rollout NFE, cumulative wall s, success, reward, success s.e.) at each evaluation of a run."""
-    nfe, wall, points = 0, 0.0, []
+    """(cumulative rollout NFE, cumulative wall s, success, reward, success s.e., cumulative update forwards) at each
+    evaluation of a run."""
+    nfe, wall, update, points = 0, 0.0, 0, []
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for line in f:
             r = {RENAMED.get(k, k): v for k, v in json.loads(line).items()}  # (a run of an earlier version)
             nfe += r.get("perf/nfe", 0)
             wall += r.get("time/iteration", 0.0)
+            update += r.get("perf/update_nfe", 0)
             if "eval/heldout/shapes-strict" in r:
                 points.append((nfe, wall, r["eval/heldout/shapes-strict"], r["eval/reward/shapes"],
-                               r.get("eval/heldout_se/shapes-strict", float("nan"))))
+                               r.get("eval/heldout_se/shapes-strict", float("nan")), update))
     return points
 
 
@@ -506,7 +573,7 @@ def _plot(curves, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (name, runs), colour in zip(curves.items(), [f"C{i % 10}" for i in range(len(curves))]):
+    for (name, runs), colour in zip(curves.items(), [plt.cm.tab20(i % 20) for i in range(len(curves))]):
         style = "--" if name.startswith("control") else "-"
         if name == NO_LEARNING:  # the base model, whatever the compute
             for ax in axes:
