@@ -159,6 +159,7 @@ def make_velocity_fn(args, policy, module, cond):
     def in_cpu_rows(x, sigma, idx):
         if torch.is_grad_enabled() or len(x) <= CPU_ROWS:  # (a forward with gradients keeps its batch's sums)
             return velocity(x, sigma, idx)
+        # a row's sigma and prompt index, or one value for every row (methods/base.py's check loss passes one index)
         part = lambda t, i: t[i : i + CPU_ROWS] if torch.is_tensor(t) and t.dim() and len(t) == len(x) else t
         return torch.cat([velocity(x[i : i + CPU_ROWS], part(sigma, i), part(idx, i))
                           for i in range(0, len(x), CPU_ROWS)])

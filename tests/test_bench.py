@@ -125,7 +125,7 @@ def test_the_default_rows_and_the_peers():
         bench.G2RPO_ROW, *bench.PEERS, bench.NO_LEARNING]
     # every row: every registered method's among them, each row saying where its values come from
     assert bench.chosen_rows(bench.Args(methods=("all",))) == list(bench.METHODS)
-    method_of = lambda argv: argv[argv.index("--method") + 1] if "--method" in argv else bench.DEFAULT_METHOD
+    method_of = lambda argv: bench.flags.parse_args(["--model", "tiny", *argv]).method
     assert {method_of(argv) for argv in bench.METHODS.values()} == set(bench.METHOD_CLASSES)
     assert bench.values_from("DanceGRPO").startswith("its authors' (eta 0.3") and bench.values_from(
         bench.NO_LEARNING) == "G2RPO's tiny preset; --lr 0"

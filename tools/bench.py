@@ -364,7 +364,7 @@ def report(curves, args, seconds=None):
         row = {"success": interval([p[2] for p in points]), "reward": interval([p[3] for p in points]),
                "eval_se": sum(p[4] for p in points) / len(points), "wall": sum(p[1] for p in points) / len(points),
                "nfe": sum(p[0] for p in points) / len(points),
-               "update_nfe": sum(p[5] if len(p) > 5 else 0 for p in points) / len(points),
+               "update_nfe": sum(p[5] for p in points) / len(points),
                "run_s": _mean([s for s in seconds.get(name, []) if s is not None]), "values_from": values_from(name)}
         if name != G2RPO_ROW:
             row["gap"] = gap_interval([p[2] for p in points], [p[2] for p in g2rpo], paired)
@@ -438,8 +438,8 @@ def values_from(name):
     authors' default), those this project sets for the tiny world's 8 steps (its tiny preset), and every other value
     the tiny preset's, G2RPO's (G 8, N 8, lr 1e-4, clip 1e-3); the row's own flags last."""
     argv = METHODS[name]
-    method = argv[argv.index("--method") + 1] if "--method" in argv else DEFAULT_METHOD
-    rest = [a for i, a in enumerate(argv) if a != "--method" and (i == 0 or argv[i - 1] != "--method")]
+    method = flags.parse_args(["--model", "tiny", *argv]).method
+    rest = [a for a in argv if a not in ("--method", method)]
     cls = METHOD_CLASSES[method]
     said = lambda values: ", ".join(f"{k} {v}" for k, v in values.items())
     if method == DEFAULT_METHOD:
