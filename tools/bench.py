@@ -64,9 +64,9 @@ class Args:
     """Part 3: prompts of every run's iteration. At equal rollout NFE, fewer learn less on the tiny world (40,000
     NFE, G2RPO: 1 or 2 prompts an iteration lost reward on some seeds, 4 to 16 gained alike; docs/performance.md)."""
     peers: bool = False
-    """Part 3: also the peers' recipes (DanceGRPO, Flow-GRPO, Flow-GRPO-Fast, MixGRPO) at the same rollout NFE. At
-    equal rollout NFE they run more iterations, each forwarding every member in its update: a run takes two to three
-    times a G2RPO run's (docs/performance.md)."""
+    """Part 3: also every other registered method's tiny recipe (each file of methods/) at the same rollout NFE. Most
+    run more iterations on it than G2RPO and spend more forwards in their update: a run takes up to four times a
+    G2RPO run's (docs/performance.md)."""
     methods: tuple[str, ...] = ()
     """Part 3: only these rows (names as in the table; G2RPO {1,2,3}, the row every gap is taken to, is always run;
     --peers adds the peers' rows to them); () = the paper's two claims and the controls; all = every row: the paper's

@@ -56,8 +56,7 @@ Run:
     python -m tools.plan --model flux2                                           # FLUX.2 [klein] 4B, LoRA
     python -m tools.plan --model qwenimage                                       # Qwen-Image, LoRA, 1328^2
     python -m tools.plan --model flux --gpus 8 --gpu-memory-gib 140 --peak-tflops 989   # another card
-    python -m tools.plan --model flux --method pavegrpo                          # the sub-steps in the update (4 min)
-    python -m tools.plan --model flux --method adagrpo                           # the curriculum's prompt pool
+    python -m tools.plan --model flux --method NAME                              # any method of methods/, its FLUX preset
 """
 import contextlib
 import dataclasses
