@@ -375,9 +375,10 @@ def report(curves, args, seconds=None):
         cells = ["-"] * 4 if name == G2RPO_ROW else [
             ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f"),
             "yes" if row["reward_told_apart"] else "no"]
+        run_s = f"{row['run_s']:.0f}" if row["run_s"] == row["run_s"] else "n/a"  # n/a: no marker kept its seconds
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
               f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['update_nfe']:,.0f} | "
-              f"{row['wall']:.0f} | {row['run_s']:.0f} |")
+              f"{row['wall']:.0f} | {run_s} |")
     start = curves[G2RPO_ROW][0][0]
     print(f"\nEvery method starts at a held-out success rate of {start[2]:.3f} and a reward of {start[3]:.4f}. A "
           f"gap's ± is the half-width of its 95 % interval (paired on training seeds; Welch's for the other-seeds "
