@@ -33,7 +33,8 @@ and, around the iteration:
                                       the loss the first update's gradient self-check compares kernels on, or a
                                       one-line reason why there is none
 
-Class attributes: `label` (its name in tables: the bench's rows); `per_step_advantages` (each trained step has its
+Class attributes: `label` (its name in tables: the bench's rows); `values_from` (whose values its flags' defaults
+are, for the bench's table); `per_step_advantages` (each trained step has its
 own advantage, so --step-credit can move them); `recipe` (the run's flags it sets on every --model) and `presets`
 ({model: values} on top of it, e.g. its published FLUX sizes); `per_steps` (values that follow the run's N, as
 functions of N); `legacy` (the axes a configuration written before methods had files of their own held for it,
@@ -115,6 +116,7 @@ class Method:
     """beta, the weight of the KL to the base model."""
 
     label = "a method"
+    values_from = "its authors'"
     per_step_advantages = True
     recipe, presets, per_steps, legacy, retired_flags = {}, {}, {}, {}, {}
     anchor_candidates = 0

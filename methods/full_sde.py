@@ -21,6 +21,7 @@ class FullSDE(Method, SDEStep):
     full-sde)."""
 
     label = "full SDE"
+    values_from = "the paper's ablation"
 
     sde_steps: list[int]
     # --- its own flag ---

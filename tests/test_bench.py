@@ -129,6 +129,7 @@ def test_the_default_rows_and_the_peers():
     assert {method_of(argv) for argv in bench.METHODS.values()} == set(bench.METHOD_CLASSES)
     assert bench.values_from("DanceGRPO").startswith("its authors' (eta 0.3") and bench.values_from(
         bench.NO_LEARNING) == "G2RPO's tiny preset; --lr 0"
+    assert bench.values_from("full SDE, same M").startswith("the paper's ablation")  # G2RPO's own, not a peer's
 
 
 def test_a_stopped_run_is_never_reported(tmp_path):

@@ -435,9 +435,9 @@ def seeds_for(half_width, seeds, target=0.05):
 
 
 def values_from(name):
-    """Where a row's tiny values come from: its method's authors (its recipe; every flag of its own at its
-    authors' default), those this project sets for the tiny world's 8 steps (its tiny preset), and every other value
-    the tiny preset's, G2RPO's (G 8, N 8, lr 1e-4, clip 1e-3); the row's own flags last."""
+    """Where a row's tiny values come from: its method's authors, or whom its `values_from` names (its recipe; every
+    flag of its own at their default), those this project sets for the tiny world's 8 steps (its tiny preset), and
+    every other value the tiny preset's, G2RPO's (G 8, N 8, lr 1e-4, clip 1e-3); the row's own flags last."""
     argv = METHODS[name]
     method = flags.parse_args(["--model", "tiny", *argv]).method
     rest = [a for a in argv if a not in ("--method", method)]
@@ -446,7 +446,7 @@ def values_from(name):
     if method == DEFAULT_METHOD:
         parts = ["G2RPO's tiny preset"]
     else:
-        parts = [f"its authors' ({said(cls.recipe) + ', ' if cls.recipe else ''}its own flags' defaults)"]
+        parts = [f"{cls.values_from} ({said(cls.recipe) + ', ' if cls.recipe else ''}its own flags' defaults)"]
         if cls.presets.get("tiny"):
             parts.append(f"set here for 8 steps ({said(cls.presets['tiny'])})")
         parts.append("the rest G2RPO's tiny preset")
