@@ -1,8 +1,8 @@
 """Train a text-to-image flow model with G2RPO: the program users run, and the paper's loop, top to bottom.
 
 One iteration (`iteration` below), on each rank, for its own prompts:
-  1. prompts and noise: this rank's prompts (the shuffled data order, or the method's own choice: a
-     curriculum's), one initial noise per prompt (or per member, for the methods that want it) and per-prompt SDE
+  1. prompts and noise: this rank's prompts (the shuffled data order, or the method's own choice from a pool of
+     candidates), one initial noise per prompt (or per member, for the methods that want it) and per-prompt SDE
      noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after
      a resume;
   2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions;
@@ -12,7 +12,7 @@ One iteration (`iteration` below), on each rank, for its own prompts:
      prompt and trained step scores all G.
 The method (--method) answers steps 1, 2, 4 and 5: `g2rpo.G2RPO`, or one of methods/, on the interface of
 methods/base.py. A group never spans ranks, so advantages need no communication; the methods that do communicate
-say so (a reward std taken over all prompts gathers every rank's rewards; a curriculum gathers its pools' scores).
+say so (a reward std taken over all prompts gathers every rank's rewards; a pool of candidates, their scores).
 Around the loop (lab/loop.py): the held-out evaluations and the reward-hacking watch, checkpoints and resume, stops,
 metrics, the first update's self-checks, the FP8 copy and the EMA. The flags and their checks are lab/flags.py (a
 method's own, its class); the models and how they are called, lab/policy.py, lab/models.py and lab/kernels.py.

@@ -34,13 +34,12 @@ and, around the iteration:
                                       one-line reason why there is none
 
 Class attributes: `label` (its name in tables: the bench's rows); `values_from` (whose values its flags' defaults
-are, for the bench's table); `per_step_advantages` (each trained step has its
-own advantage, so --step-credit can move them); `recipe` (the run's flags it sets on every --model) and `presets`
-({model: values} on top of it, e.g. its published FLUX sizes); `per_steps` (values that follow the run's N, as
-functions of N); `legacy` (the axes a configuration written before methods had files of their own held for it,
-checked on resume); `retired_flags` (its
-own flags that every run had before it owned them, with the value that left them off: a checkpoint of another
-method with another value is refused on resume).
+are, for the bench's table); `per_step_advantages` (each trained step has its own advantage, so --step-credit can
+move them); `recipe` (the run's flags it sets on every --model) and `presets` ({model: values} on top of it, e.g.
+its published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
+configuration written before methods had files of their own held for it, checked on resume); `retired_flags` (its
+own flags that every run had before it owned them, with the value that left them off: a checkpoint of another method
+with another value is refused on resume).
 
 A method that scores no SDE step rolls out with `ode_rollout` (final latents only, no log-probability) and keeps
 its old or EMA policy as a `FrozenCopy` of the trained weights, its state (methods/diffusionnft.py).

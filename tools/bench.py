@@ -23,6 +23,7 @@ Run:  python -m tools.bench --parts 3          (CPU: every core; on a CUDA machi
 """
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -375,7 +376,7 @@ def report(curves, args, seconds=None):
         cells = ["-"] * 4 if name == G2RPO_ROW else [
             ci(*row["gap"], "+.3f"), "yes" if row["told_apart"] else "no", ci(*row["reward_gap"], "+.4f"),
             "yes" if row["reward_told_apart"] else "no"]
-        run_s = f"{row['run_s']:.0f}" if row["run_s"] == row["run_s"] else "n/a"  # n/a: no marker kept its seconds
+        run_s = "n/a" if math.isnan(row["run_s"]) else f"{row['run_s']:.0f}"  # n/a: no marker kept its seconds
         print(f"| {name} | {ci(*row['success'], '.3f')} | {cells[0]} | {cells[1]} | {ci(*row['reward'], '.4f')} | "
               f"{cells[2]} | {cells[3]} | {row['eval_se']:.3f} | {row['nfe']:,.0f} | {row['update_nfe']:,.0f} | "
               f"{row['wall']:.0f} | {run_s} |")

@@ -5,7 +5,7 @@ Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and devices but no da
 runs on a laptop: every model is built from its published configuration (tools/configs/, no weights) and driven through
 the same functions train.py calls, phase by phase, for one rank:
   0. pool         for a method that chooses its prompts by the ODE images of P candidates each (its
-                  `anchor_candidates`, methods/base.py: a curriculum's): the B P candidates encoded at
+                  `anchor_candidates`, methods/base.py): the B P candidates encoded at
                   once, one transformer call of their ODE anchors (sampler.ode_sample, B P N forwards in calls of
                   <= --max-batch, no gradients) with the pool's storage, and a reward batch of anchors;
   1. encode       adapter.encode of this rank's prompt batch (B) and of an evaluation batch;
@@ -868,7 +868,7 @@ def sampled_storage(sample, noise, fake_mode=None, resident=()):
 
 def pool_rows(args, P, adapter, policy, reward_fns, resident, encoders, sigmas, B, fake_mode, fsdp):
     """The rows of a prompt pool of P candidates a prompt as lab.loop.Harness.ode_images serves a method's
-    `prompts` (a curriculum's): the B P candidates encoded in one call, their anchors sampled by
+    `prompts` (its choice of prompts): the B P candidates encoded in one call, their anchors sampled by
     `sampler.ode_sample` (N steps in calls of at most --max-batch, no gradients) and scored in reward batches; the
     pool's conditioning, noise and anchors are held throughout. The iteration's own tensors do not exist yet (the
     pool chooses its prompts). Returns the rows and the pool's NFE (train.py counts it in perf/nfe)."""
