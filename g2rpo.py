@@ -29,8 +29,41 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage import granular_advantages
-from methods.base import Method, SDEStep, check_sde_steps, member_log_probs, optimizer_step, ratio_stats, update_stats
+from methods.base import Method, SDEStep, check_sde_steps, optimizer_step, ratio_stats, step_backward, update_stats
 from sampler import granular_schedule, rollout_g2rpo
+
+# ---------------------------------------------------------------------------------------------------------------
+# The values G2RPO runs with. --model flux: the reference run (bcmi/Granular-GRPO,
+# scripts/finetune/finetune_g2rpo_hps.sh, "script" below) but for Lambda, which is the paper's. On the other models,
+# what differs. Every other method starts from these values on a model and its own file says where it differs.
+# The model's own settings (resolution, N and shift, guidance) are its preset's (lab/flags.py); any flag overrides
+# all of them, and `python train.py --model M --show-config` prints a run's, each with where it came from.
+# ---------------------------------------------------------------------------------------------------------------
+VALUES = {
+    "flux": dict(
+        group_size=12,                # G, samples a prompt (script)
+        eta=0.7,                      # eta, the noise level of the branching SDE step (script)
+        sde_steps=list(range(8)),     # M, the steps that branch and train: the first half of 16 (script)
+        granularities=[1, 2, 3],      # Lambda, the completions' ODE strides (paper; the script's {1, 2})
+        clip_range=1e-4,              # epsilon of the clipped ratio (script)
+        adv_clip_max=5.0,             # advantages clamped to +- this (script)
+        kl_beta=0.0,                  # beta: no KL term (script)
+        step_per_sde_step=True,       # one AdamW step per trained step k, 8 an iteration (script)
+        inner_epochs=1,               # passes over a rollout (script)
+        lr=2e-6, weight_decay=1e-4,   # AdamW, a full fine-tune (script)
+        max_grad_norm=1.0,            # gradient-norm clip (script)
+    ),
+    # one GPU with LoRA r32 (the presets' lora_rank): the learning rate LoRA takes (set here); the branching steps of a
+    # short or a video-sized schedule (set here: 2,730 velocities a prompt for the videos against 7,730 at 0..7, G 12)
+    "sd3": dict(lr=1e-4),
+    "zimage": dict(lr=1e-4, sde_steps=[0, 1, 2, 3]),
+    "flux2": dict(lr=1e-4, sde_steps=[0, 1], granularities=[1, 2]),  # 4 steps: strides past 2 coincide
+    "qwenimage": dict(lr=1e-4, sde_steps=[0, 1, 2, 3], group_size=8),
+    "wan": dict(lr=1e-4, sde_steps=[0, 1, 2, 3], group_size=8),
+    "wan22": dict(lr=1e-4, sde_steps=[0, 1, 2, 3], group_size=8),
+    # the tiny world's 8 steps (set here, docs/tiny_world.md): AdamW at 1e-4 with no decay, a clip range of 1e-3
+    "tiny": dict(group_size=8, sde_steps=[0, 1, 2, 3], lr=1e-4, weight_decay=0.0, clip_range=1e-3),
+}
 
 
 def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None):
@@ -44,39 +77,27 @@ def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None)
 
 
 def step_loss_backward(method, ctx, rollout, advantages, ki, loss_scale=1.0):
-    """L_k, the loss of trained step `ki` (index into rollout.sde_steps) over every member, back-propagated (times
-    `loss_scale`) in micro-batches of at most `method.max_batch` start latents. advantages: (B, G). Returns this
-    step's statistics as floats."""
+    """L_k, the loss of trained step `ki` (an index into rollout.sde_steps) over every member, back-propagated (times
+    `loss_scale`) by the loop every SDE-step update shares (`methods.base.step_backward`: micro-batches of start
+    latents, each member scored by `method.step`). advantages: (B, G). Returns this step's statistics as floats."""
     k = rollout.sde_steps[ki]
     B, S, G = rollout.start_latents.shape[0], rollout.start_latents.shape[2], advantages.shape[1]
-    members = G // S  # members scored by one forward: G from the shared anchor (S = 1)
-    start_latents = rollout.start_latents[:, ki].flatten(0, 1)  # (B*S, ...)
-    targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
-    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
-    advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
-    prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
-    loss, kl, log_ratios = 0.0, 0.0, []
-    for rows in torch.arange(B * S, device=start_latents.device).split(method.max_batch):
-        n, x = len(rows), start_latents[rows]  # x: (n, ...)
-        sigma = ctx.sigmas[k].expand(n).to(x.device)  # (n,)
-        velocity = ctx.velocity_fn(x, sigma, prompt_index[rows])  # (n, ...)
-        # every member of a start latent is scored under the same velocity
-        log_probs = member_log_probs(method.step, x, velocity, targets[rows], ctx.sigmas, k)  # (n, G/S)
-        # the step's loss is a mean over all B*G members: each micro-batch weighs by its share
-        share = n / (B * S)
-        batch_loss = clipped_loss(log_probs, old_log_probs[rows], advantages[rows], method.clip_range) * share
-        if method.kl_beta > 0:  # KL to the base model's step (same std): |mean_theta - mean_ref|^2 / (2 std^2)
-            with torch.no_grad():
-                base = ctx.base_velocity_fn(x, sigma, prompt_index[rows])  # (n, ...)
-            batch_kl = method.kl(velocity, base, ctx.sigmas, k).mean() * share
-            batch_loss = batch_loss + method.kl_beta * batch_kl
-            kl += float(batch_kl.detach())
-        # backward even when the loss is not finite: its gradient is then not finite either, so the (all-reduced)
-        # gradient norm skips the step on every rank alike, and DDP / FSDP collectives stay matched
-        (batch_loss * loss_scale).backward()
-        loss += float(batch_loss.detach())
-        log_ratios.append((log_probs - old_log_probs[rows]).detach().flatten())  # (n * G/S,)
-    return {"loss": loss, "kl": kl, **ratio_stats(torch.cat(log_ratios), method.clip_range)}
+    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, G // S)  # (B*S, G/S)
+    advantages = advantages.reshape(B * S, G // S)  # (B*S, G/S)
+
+    def loss_fn(rows, x, velocity, log_probs, base):
+        # L_k is a mean over all B*G members: each micro-batch weighs by its share
+        share = len(rows) / (B * S)
+        loss = clipped_loss(log_probs, old_log_probs[rows], advantages[rows], method.clip_range) * share
+        kl = 0.0
+        if method.kl_beta > 0:  # + beta KL(pi_theta || pi_ref) of the step (`SDEStep.kl`)
+            batch_kl = method.kl(velocity, base(), ctx.sigmas, k).mean() * share
+            loss = loss + method.kl_beta * batch_kl
+            kl = float(batch_kl.detach())
+        return loss * loss_scale, float(loss.detach()), kl, (log_probs - old_log_probs[rows]).detach().flatten()
+
+    loss, kl, log_ratios = step_backward(method, ctx, rollout, ki, loss_fn)
+    return {"loss": loss, "kl": kl, **ratio_stats(log_ratios, method.clip_range)}
 
 
 @dataclass
@@ -91,15 +112,14 @@ class G2RPO(Method, SDEStep):
 
     sde_steps: list[int]
     # --- its own flags ---
-    granularities: list[int] = field(default_factory=lambda: [1, 2, 3])
+    granularities: list[int] = field(default_factory=lambda: list(VALUES["flux"]["granularities"]))
     """Lambda, ODE strides of the completions (paper {1, 2, 3}; released scripts {1, 2}); {1} ablates them."""
-    step_per_sde_step: bool = True
+    step_per_sde_step: bool = VALUES["flux"]["step_per_sde_step"]
     """One optimizer step per trained step k (the G2RPO reference scripts); False: the gradients of every trained
     step accumulate into one optimizer step an iteration (the paper's objective averaged over k)."""
 
     per_step_advantages = True  # each trained step has its own advantage (--step-credit can move them)
-    # G2RPO's values are the run flags' defaults (lab/flags.py); on FLUX.2 klein's 4 steps, the strides that differ
-    presets = {"flux2": dict(granularities=[1, 2])}
+    presets = VALUES  # its values on each model; on flux, also every method's starting values (lab/flags.py)
     legacy = dict(sampling="g2rpo")  # written before methods had files (methods/base.py)
 
     def problem(self, num_steps):
@@ -136,7 +156,7 @@ class G2RPO(Method, SDEStep):
         (`sampler.rollout_g2rpo`). noise: (B, ...) one x_T per prompt."""
         return rollout_g2rpo(velocity_fn, noise, sigmas, generators, group_size=self.group_size, sde_steps=steps,
                              granularities=self.granularities, eta=self.eta, max_batch=self.max_batch,
-                             image_only_fn=image_only_fn, sde_type=self.sde_type)
+                             image_only_fn=image_only_fn, step_fn=self.step)
 
     def advantages(self, scores, weights, ranks=None, rollout=None):
         """scores: (B, J, K, G, R) -> A[i, k] (B, K, G): each (reward, granularity, step) normalised in its group,

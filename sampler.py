@@ -304,11 +304,12 @@ def rollout_g2rpo_paper(velocity_fn, noise, sigmas, generators, *, group_size, s
 # ------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_steps, granularities, eta, max_batch=64,
-                  image_only_fn=None, sde_type="flow"):
+                  image_only_fn=None, sde_type="flow", step_fn=None):
     """The G2RPO rollout for a batch of prompts. noise: (B, ...) one initial noise per prompt (shared by its group);
     generators: B CPU torch.Generator, one per prompt, for its members' SDE noise. image_only_fn: the velocity of
-    the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`). sde_type: the branching
-    step's (SDE_TYPES).
+    the anchor's steps outside `sde_steps` and of the completions (default `velocity_fn`). step_fn(x, v, sigmas, i,
+    noise=) -> (x_next, log_prob): the branching step, the one the update scores with (a method's `step`); default
+    `sde_step` at `eta` of `sde_type` (SDE_TYPES).
 
     Returns a `Rollout`; `nfe` and `calls` count the image-forwards and velocity calls of the whole rollout.
     """
@@ -326,11 +327,13 @@ def rollout_g2rpo(velocity_fn, noise, sigmas, generators, *, group_size, sde_ste
 
     # 3. singular stochastic sampling: one SDE step per member from anchor[k]; every member starts from the same
     # latent, so the anchor's velocity there serves them all (deviation 1)
+    if step_fn is None:
+        step_fn = lambda x, v, s, i, noise: sde_step(x, v, s, i, eta, noise=noise, sde_type=sde_type)  # noqa: E731
     next_latents, old_log_probs = [], []
     for k in sde_steps:
         member_noise = prompt_noise(generators, (G, *shape), device).flatten(0, 1)  # (B*G, ...)
-        x_next, log_prob = sde_step(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
-                                    sigmas, k, eta, noise=member_noise, sde_type=sde_type)  # (B*G, ...), (B*G,)
+        x_next, log_prob = step_fn(anchor[k].repeat_interleave(G, 0), velocities[k].repeat_interleave(G, 0),
+                                   sigmas, k, noise=member_noise)  # (B*G, ...), (B*G,)
         next_latents.append(x_next.view(B, G, *shape))
         old_log_probs.append(log_prob.view(B, G))
 

@@ -71,6 +71,10 @@ def how_to_write(path: str) -> str:
     return "write it with: python -m tools.hpdv2" if os.path.basename(path) in hpdv2 else ""
 
 
+# the shared method flags' defaults: the default method's values on --model flux (g2rpo.py's VALUES), defined there
+START = METHODS[DEFAULT_METHOD].presets["flux"]
+
+
 @dataclass
 class TrainArgs:
     # --- model ---
@@ -147,13 +151,12 @@ class TrainArgs:
     """The grid the shift bends (sampler.sigma_schedule): linear, shift(linspace(1, 0, N + 1)) (the reference's), or
     sd3, shift(linspace(1, shift(1/1000), N)) then 0 (diffusers' FlowMatchEulerDiscreteScheduler's; a method's
     presets say which grid its authors sample on). Rollouts, updates and held-out evaluations all sample on it."""
-    eta: float = 0.7
-    """eta, the SDE noise level of the branching step (reference 0.7; typ. 0.3-1.0; a method's recipe sets its
-    authors' own, docs/methods.md)."""
-    group_size: int = 12
-    """G, samples per prompt over which rewards are normalised (reference 12; >= 2)."""
-    sde_steps: list[int] = field(default_factory=lambda: list(range(8)))
-    """M, the steps k that branch with an SDE step and are trained (reference 0..7, the first half). A method of
+    eta: float = START["eta"]
+    """eta, the SDE noise level of the branching step (typ. 0.3-1.0; each method's file gives its value)."""
+    group_size: int = START["group_size"]
+    """G, samples per prompt over which rewards are normalised (>= 2)."""
+    sde_steps: list[int] = field(default_factory=lambda: list(START["sde_steps"]))
+    """M, the steps k that branch with an SDE step and are trained (G2RPO's: the first half). A method of
     whole trajectories trains these steps of every trajectory (its recipe may set them); one with a window of its
     own trains that instead (docs/methods.md)."""
     # --- the method (each method's own flags join these under its --method: methods/) ---
@@ -178,23 +181,23 @@ class TrainArgs:
     # --- optimisation ---
     num_iterations: int = 301
     """Policy iterations (reference 301)."""
-    lr: float = 2e-6
-    """AdamW learning rate (reference 2e-6 full fine-tune; typ. 1e-4 with LoRA)."""
-    weight_decay: float = 1e-4
-    """AdamW weight decay (reference 1e-4)."""
-    clip_range: float = 1e-4
-    """epsilon of the clipped ratio (reference 1e-4, for a per-element-mean log-prob)."""
-    adv_clip_max: float = 5.0
-    """Advantages are clamped to +- this (reference 5)."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip (reference 1.0)."""
-    inner_epochs: int = 1
+    lr: float = START["lr"]
+    """AdamW learning rate (a full fine-tune's; typ. 1e-4 with LoRA)."""
+    weight_decay: float = START["weight_decay"]
+    """AdamW weight decay."""
+    clip_range: float = START["clip_range"]
+    """epsilon of the clipped ratio (for a per-element-mean log-prob; its scale sets what a ratio means)."""
+    adv_clip_max: float = START["adv_clip_max"]
+    """Advantages are clamped to +- this."""
+    max_grad_norm: float = START["max_grad_norm"]
+    """Gradient-norm clip."""
+    inner_epochs: int = START["inner_epochs"]
     """Passes of the update over each rollout (PPO's epochs; 1 in the reference and its peers' scripts). Only the
     first optimizer step of an iteration scores under the rollout's own policy (ratio exactly 1); every later one,
     in the first pass already where a method steps more than once (G2RPO: once per trained step), scores under the
     moved policy, and the clip range bounds how far. A later pass scores the whole rollout again so. The update is
     cheap beside the rollout, so passes are a lever on learning per second."""
-    kl_beta: float = 0.0
+    kl_beta: float = START["kl_beta"]
     """beta, weight of the KL to the base model per trained step (0 in the reference), each method's own form of it
     (its `kl`, whose docstring says how its beta compares): G2RPO's is the step's exact Gaussian KL. LoRA: the base
     is the model with its adapter off; full fine-tune: a frozen copy (twice the weights)."""
@@ -336,46 +339,41 @@ def own_flags(method: str) -> list[str]:
 PRESETS = {
     "flux": dict(eval_rewards=["clip", "pickscore"]),
     "sd3": dict(model_path="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, max_sequence_length=256,
-                resolution=512, lora_rank=32, lr=1e-4, output_dir="runs/sd3"),
+                resolution=512, lora_rank=32, output_dir="runs/sd3"),
     # Z-Image-Turbo as its model card samples it: 1024², 9 steps of the shift-3 schedule, no guidance; LoRA on one GPU
     "zimage": dict(model_path="Tongyi-MAI/Z-Image-Turbo", guidance=0.0, max_sequence_length=512, resolution=1024,
-                   num_steps=9, shift=3.0, sde_steps=[0, 1, 2, 3], lora_rank=32, lr=1e-4, output_dir="runs/zimage"),
+                   num_steps=9, shift=3.0, lora_rank=32, output_dir="runs/zimage"),
     # FLUX.2 klein 4B (distilled) as its card samples it: 1024², 4 steps, no guidance. The pipeline shifts the
     # schedule by exp(mu), mu = compute_empirical_mu(4096 tokens, 4 steps): 9.89 (recompute for other sizes)
     "flux2": dict(model_path="black-forest-labs/FLUX.2-klein-4B", guidance=0.0, max_sequence_length=512,
-                  resolution=1024, num_steps=4, shift=9.89, sde_steps=[0, 1], lora_rank=32, lr=1e-4,
-                  output_dir="runs/flux2"),
+                  resolution=1024, num_steps=4, shift=9.89, lora_rank=32, output_dir="runs/flux2"),
     # Qwen-Image as its model card samples it: 1328² (the card's 1:1 size; the pipeline's default is 1024²), 50 steps
     # (card and pipeline), true CFG 4 against the negative prompt " " (card; the pipeline's true_cfg_scale default is
     # 4 too). Its scheduler shifts the schedule by exp(mu), mu = calculate_shift(6889 tokens, 256, 8192, 0.5, 0.9) =
     # 0.834: 2.30 (recompute for other sizes); it also stretches the schedule to end at sigma 0.02 before 0
-    # (shift_terminal), which this project does not (deviation 15). A rollout of its size, as Wan's: SDE steps 0..3,
-    # G 8; calls of 8 (16 sequences with CFG) and decodes of 2 images (tools/plan.py: 24 and 16 would need 148 GiB)
+    # (shift_terminal), which this project does not (deviation 15). Calls of 8 (16 sequences with CFG) and decodes of
+    # 2 images (tools/plan.py: 24 and 16 would need 148 GiB)
     "qwenimage": dict(model_path="Qwen/Qwen-Image", guidance=4.0, max_sequence_length=512, resolution=1328,
-                      num_steps=50, shift=2.30, sde_steps=[0, 1, 2, 3], group_size=8, lora_rank=32, lr=1e-4,
-                      max_batch=8, reward_batch_size=2, output_dir="runs/qwenimage"),
+                      num_steps=50, shift=2.30, lora_rank=32, max_batch=8, reward_batch_size=2,
+                      output_dir="runs/qwenimage"),
     # Wan 2.1 T2V 1.3B as its card samples it: 832 x 480, 81 frames, 50 steps, flow shift 3, guidance 5. Rewards score
-    # every 4th frame. A video-sized rollout: SDE steps 0..3 and G 8 (2,730 velocities a prompt, against 7,730 at the
-    # image presets' 0..7 and G 12)
+    # every 4th frame
     "wan": dict(model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, max_sequence_length=512, resolution=480,
-                width=832, num_frames=81, reward_frames=4, num_steps=50, shift=3.0, sde_steps=[0, 1, 2, 3],
-                group_size=8, max_batch=8, reward_batch_size=4, lora_rank=32, lr=1e-4, output_dir="runs/wan"),
+                width=832, num_frames=81, reward_frames=4, num_steps=50, shift=3.0, max_batch=8, reward_batch_size=4,
+                lora_rank=32, output_dir="runs/wan"),
     # Wan 2.2 TI2V 5B as its card's text-to-video example samples it: 1280 x 704, 121 frames, 50 steps, guidance 5,
     # and its shift 5 (the Wan 2.2 repository's sample shift for ti2v-5B); its VAE is 16x, so sides are multiples of
-    # 32. The rollout and reward frames as Wan 2.1's preset; videos decoded one at a time (tools/plan.py: decoding
-    # one 121-frame video at 1280 x 704 takes 18.9 GiB of activations, a batch of 4 a 102 GiB phase)
+    # 32. The reward frames as Wan 2.1's preset; videos decoded one at a time (tools/plan.py: decoding one 121-frame
+    # video at 1280 x 704 takes 18.9 GiB of activations, a batch of 4 a 102 GiB phase)
     "wan22": dict(model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", guidance=5.0, max_sequence_length=512,
-                  resolution=704, width=1280, num_frames=121, reward_frames=4, num_steps=50, shift=5.0,
-                  sde_steps=[0, 1, 2, 3], group_size=8, max_batch=4, reward_batch_size=1, lora_rank=32, lr=1e-4,
-                  output_dir="runs/wan22"),
+                  resolution=704, width=1280, num_frames=121, reward_frames=4, num_steps=50, shift=5.0, max_batch=4,
+                  reward_batch_size=1, lora_rank=32, output_dir="runs/wan22"),
     # fp32 on every device (deviation 12): bf16 cost the first tiny world a tenth of its held-out reward. 8 eval seeds:
     # 96 held-out images, a success rate's standard error about 0.05, in training; the first and last evaluations
     # take 96 seeds, 1,152 images: at most 0.015 (8.7 s each on 2 cores). 120 iterations: 4 of 5 seeds end 0.2 above the
     # base on one machine of this project's kind, 5 of 5 on another (160: 5 of 5 on both), docs/tiny_world.md
-    "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, group_size=8,
-                 sde_steps=[0, 1, 2, 3], prompts_per_iteration=8, max_batch=512,
-                 rewards=["shapes=1.0"], num_iterations=120, lr=1e-4, weight_decay=0.0, clip_range=1e-3,
-                 eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
+    "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, prompts_per_iteration=8,
+                 max_batch=512, rewards=["shapes=1.0"], num_iterations=120, eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
                  gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
                  eval_rewards=["shapes", "shapes-strict"]),  # held out: the strict pass's success rate
@@ -399,11 +397,19 @@ def recipe_values(method: str, model: str, num_steps: int, sde_type=None) -> dic
     return values
 
 
+def starting_values(model: str) -> dict:
+    """The values of the shared method flags every method starts from under --model: the default method's there
+    (g2rpo.py's VALUES); a method's own file overrides them."""
+    names = {f.name for f in dataclasses.fields(TrainArgs)}
+    return {k: v for k, v in {**START, **METHODS[DEFAULT_METHOD].presets.get(model, {})}.items() if k in names}
+
+
 def method_defaults(model: str, method: str, sde_type=None) -> dict:
-    """The defaults under --model and --method (and a method's --sde-type): the recipe over the preset, each where
-    the method has that flag."""
+    """The defaults under --model and --method (and a method's --sde-type): the recipe over the starting values
+    over the preset, each where the method has that flag."""
     names = {f.name for f in dataclasses.fields(TrainArgs)} | set(own_flags(method))
-    values = {**PRESETS[model], **recipe_values(method, model, _preset_steps(model, method), sde_type)}
+    values = {**PRESETS[model], **starting_values(model),
+              **recipe_values(method, model, _preset_steps(model, method), sde_type)}
     return {name: value for name, value in values.items() if name in names}
 
 
@@ -505,6 +511,10 @@ def parse_args(argv=None, base=None):
     --help shows the resulting values). `base`: a dataclass derived from TrainArgs, for a script that takes these
     flags and more (tools/plan.py)."""
     argv = sys.argv[1:] if argv is None else argv
+    if "--show-config" in argv:  # print the resolved values and where they came from, load nothing, and leave
+        args = parse_args([a for a in argv if a != "--show-config"], base)
+        print(show_config(args))
+        raise SystemExit(0)
     model, method = _choice(argv, "--model", "flux"), _choice(argv, "--method", DEFAULT_METHOD)
     if model not in PRESETS:
         fail(f"unknown --model '{model}'; choose one of: {', '.join(PRESETS)}")
@@ -550,6 +560,45 @@ def parse_args(argv=None, base=None):
             if not _given(argv, side):
                 setattr(args, side, 0)
     return args
+
+
+def show_config(args) -> str:
+    """--show-config: every resolved value of a run's flags and where it came from, the layers of `parse_args` from
+    the top (the command line; the method's file: its values that follow N, those of its --sde-type, its values on
+    this --model, on every model; the values every method starts from, g2rpo.py's; the model's preset; a flag's own
+    default), as aligned lines."""
+    method, model = METHODS[args.method], args.model
+    here = lambda cls: os.path.relpath(inspect.getsourcefile(cls), os.path.dirname(os.path.dirname(__file__)))
+    sde_type = getattr(args, "sde_type", None)
+    own, common = set(own_flags(args.method)), {f.name for f in dataclasses.fields(TrainArgs)}
+    layers = [  # (values, where they come from), the first that holds a flag gave its value
+        ({name: None for name in _GIVEN.get(id(args), ())}, "the command line"),
+        (method.per_steps, f"{here(method)}: follows --num-steps"),
+        (getattr(method, "per_sde_type", {}).get(sde_type, {}).get(model, {}),
+         f"{here(method)}: --sde-type {sde_type} on --model {model}"),
+        (method.presets.get(model, {}), f"{here(method)}: on --model {model}"),
+        (method.recipe, f"{here(method)}: on every model"),
+        (METHODS[DEFAULT_METHOD].presets.get(model, {}), f"{here(METHODS[DEFAULT_METHOD])}: every method's start on "
+                                                         f"--model {model}"),
+        (START, f"{here(METHODS[DEFAULT_METHOD])}: every method's start"),
+        (PRESETS[model], f"lab/flags.py: the --model {model} preset"),
+    ]
+    rows = {}
+    for f in dataclasses.fields(args):
+        where = next((w for values, w in layers if f.name in values and (f.name in own or f.name in common)),
+                     f"{here(method)}: its default" if f.name in own else
+                     "lab/flags.py: its default" if f.name in common else "rewards.py: its default")
+        if f.name == "eval_rewards" and where != "the command line":
+            where += ", less the rewards trained on"
+        rows[f.name] = (flag(f.name), _spelled(getattr(args, f.name)) or "(none)", where)
+    width = [max(len(row[i]) for row in rows.values()) for i in (0, 1)]
+    line = lambda name: f"  {rows[name][0]:<{width[0]}}  {rows[name][1]:<{width[1]}}  {rows[name][2]}"  # noqa: E731
+    # the method's values first: its fields and the optimizer's, then the run's (the model, data, harness)
+    mine = [f.name for f in dataclasses.fields(method)] + [n for n in START if n not in own | {"sde_steps"}]
+    mine = [name for name in dict.fromkeys(mine) if name in rows]
+    return "\n".join([f"--model {model} --method {args.method}: every value of the run, and where it came from",
+                      f"the method's ({method.__module__}.{method.__name__}):", *map(line, mine), "the run's:",
+                      *[line(name) for name in rows if name not in mine and name not in ("model", "method")]])
 
 
 def description(base=None) -> str:

@@ -267,6 +267,42 @@ def member_log_probs(step_fn, start_latents, velocity, targets, sigmas, k):
     return log_probs.view(n, members)  # (n, M)
 
 
+def step_backward(method, ctx, rollout, ki, loss_fn, rows=None):
+    """The loop every update that scores SDE steps shares: trained step `ki` (an index into rollout.sde_steps), its
+    start latents forwarded in micro-batches of at most `method.max_batch` (all B*S of them, or those of `rows`),
+    each member's log-probability of its stored sample under `method.step` (the rollout's step), and the
+    micro-batch's loss back-propagated at once, so no more activations are held than one micro-batch's.
+
+    loss_fn(rows, x, velocity, log_probs, base) is the method's loss of one micro-batch: rows (n,) index the (B*S,)
+    start latents, x (n, ...) are they, velocity (n, ...) the policy's there, log_probs (n, G/S) its members', and
+    base() the base model's velocity there (no gradients; for a KL term). It returns (the loss to back-propagate,
+    the loss to report, the KL to report, the log-ratios to report). A loss that is not finite is back-propagated
+    all the same: its gradient is then not finite either, so the (all-reduced) gradient norm skips the optimizer step
+    on every rank alike and the DDP / FSDP2 collectives stay matched. Returns the reported loss and KL, summed, and
+    the log-ratios, concatenated (empty when no row is forwarded)."""
+    k = rollout.sde_steps[ki]
+    B, S = rollout.start_latents.shape[0], rollout.start_latents.shape[2]
+    members = rollout.next_latents.shape[2] // S  # members scored by one forward: G from a shared anchor (S = 1)
+    start_latents = rollout.start_latents[:, ki].flatten(0, 1)  # (B*S, ...)
+    targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
+    prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
+    if rows is None:
+        rows = torch.arange(B * S, device=start_latents.device)  # (B*S,)
+    loss, kl, log_ratios = 0.0, 0.0, []
+    for micro_batch in rows.split(method.max_batch) if len(rows) else []:
+        x, index = start_latents[micro_batch], prompt_index[micro_batch]  # (n, ...), (n,)
+        sigma = ctx.sigmas[k].expand(len(micro_batch)).to(x.device)  # (n,)
+        velocity = ctx.velocity_fn(x, sigma, index)  # (n, ...)
+        # every member of a start latent is scored under the same velocity
+        log_probs = member_log_probs(method.step, x, velocity, targets[micro_batch], ctx.sigmas, k)  # (n, G/S)
+        base = torch.no_grad()(lambda: ctx.base_velocity_fn(x, sigma, index))  # noqa: B023 (called at once)
+        backward_loss, batch_loss, batch_kl, log_ratio = loss_fn(micro_batch, x, velocity, log_probs, base)
+        backward_loss.backward()
+        loss, kl = loss + batch_loss, kl + batch_kl
+        log_ratios.append(log_ratio)
+    return loss, kl, torch.cat(log_ratios) if log_ratios else torch.empty(0)
+
+
 def optimizer_step(params, optimizer, max_grad_norm):
     """Clip the gradient norm and step, unless the norm is not finite (then the parameters stay untouched).
     Returns the gradient norm before clipping."""

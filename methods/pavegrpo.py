@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from g2rpo import G2RPO
-from methods.base import Method, SDEStep, member_log_probs, optimizer_step, ratio_stats, update_stats
+from methods.base import Method, SDEStep, member_log_probs, optimizer_step, ratio_stats, step_backward, update_stats
 from sampler import sde_step
 
 
@@ -80,33 +80,29 @@ def series_update(method, ctx, rollout, advantages, counts):
     ctx: methods.base.UpdateContext. Returns `methods.base.update_stats`."""
     B, K, G = advantages.shape
     per_step, grad_norms = [], []
-    velocity_fn, sigmas = ctx.velocity_fn, ctx.sigmas
     ctx.optimizer.zero_grad(set_to_none=True)
     for _ in range(method.inner_epochs):
         for ki, k in enumerate(rollout.sde_steps):
-            start, targets = rollout.start_latents[:, ki, 0], rollout.next_latents[:, ki]  # (B, ...), (B, G, ...)
-            loss, kl, log_ratios = 0.0, 0.0, []
-            for rows in torch.arange(B).split(method.max_batch):
-                x, share = start[rows], len(rows) / B / K  # each micro-batch weighs by its share of mean_k mean_b
-                sigma, index = sigmas[k].expand(len(rows)).to(x.device), rows.to(x.device)
-                velocity = velocity_fn(x, sigma, index)  # (n, ...)
+            targets = rollout.next_latents[:, ki]  # (B, G, ...)
+
+            def loss_fn(rows, x, velocity, log_probs, base):
                 A = advantages[rows, ki].to(x.device)  # (n, G)
-                log_probs = member_log_probs(method.step, x, velocity, targets[rows], sigmas, k)  # (n, G)
                 step_loss = ratio_on_policy(log_probs, A)
                 if counts:
-                    subs = sub_step_log_probs(velocity_fn, method.step, x, velocity, targets[rows], sigmas, k, index,
-                                              counts, method.max_batch)
+                    subs = sub_step_log_probs(ctx.velocity_fn, method.step, x, velocity, targets[rows], ctx.sigmas,
+                                              k, rows.to(x.device), counts, method.max_batch)
                     step_loss = step_loss + sum(ratio_on_policy(lp, A) for lp in subs.values()) / len(counts)
+                kl = 0.0
                 if method.kl_beta > 0:  # KL to the base model's step at x_k, as G2RPO's
-                    with torch.no_grad():
-                        base = ctx.base_velocity_fn(x, sigma, index)
-                    row_kl = method.kl(velocity, base, sigmas, k).mean()
+                    row_kl = method.kl(velocity, base(), ctx.sigmas, k).mean()
                     step_loss = step_loss + method.kl_beta * row_kl
-                    kl += float(row_kl.detach()) * len(rows) / B
-                (step_loss * share).backward()
-                loss += float(step_loss.detach()) * len(rows) / B
-                log_ratios.append((log_probs - rollout.old_log_probs[rows, ki].to(x.device)).detach().flatten())
-            per_step.append({"loss": loss, "kl": kl, **ratio_stats(torch.cat(log_ratios), method.clip_range)})
+                    kl = float(row_kl.detach()) * len(rows) / B
+                share = len(rows) / B / K  # each micro-batch weighs by its share of mean_k mean_b
+                log_ratio = (log_probs - rollout.old_log_probs[rows, ki].to(x.device)).detach().flatten()
+                return step_loss * share, float(step_loss.detach()) * len(rows) / B, kl, log_ratio
+
+            loss, kl, log_ratios = step_backward(method, ctx, rollout, ki, loss_fn)
+            per_step.append({"loss": loss, "kl": kl, **ratio_stats(log_ratios, method.clip_range)})
         grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, method.max_grad_norm))
     return update_stats(per_step, grad_norms)
 

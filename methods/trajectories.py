@@ -16,7 +16,7 @@ Shapes: B prompts, G group size, K trained steps, (...) the latent.
 import torch
 
 from g2rpo import clipped_loss
-from methods.base import member_log_probs, optimizer_step, ratio_stats, update_stats
+from methods.base import optimizer_step, ratio_stats, step_backward, update_stats
 from sampler import CountingVelocity, Rollout, prompt_noise, sde_step
 
 
@@ -81,46 +81,34 @@ def rollout_trajectories(velocity_fn, noise, sigmas, generators, *, group_size, 
 
 
 def weighted_step_loss_backward(method, ctx, rollout, advantages, ki, weights, policy_loss=None):
-    """The clipped loss of trained step `ki` with a weight per member, back-propagated in micro-batches of at most
-    `method.max_batch` start latents (as g2rpo.step_loss_backward, whose mean becomes a weighted sum). advantages
-    and weights: (B, G); a member of weight 0 does not train this step, and a start latent none of whose members
-    trains it is not forwarded, unless other ranks forward more (`forwarded_rows`). policy_loss(ki, rows, velocity,
-    log_probs, old_log_probs, advantages, weights) -> the weighted sum of a micro-batch's losses, in place of PPO's
-    clipped one (Flow-DPPO's mask); rows index the (B*S,) start latents. Returns this step's statistics, or None
-    when no member of this rank trains it."""
+    """The clipped loss of trained step `ki` with a weight per member (g2rpo.step_loss_backward's, whose mean
+    becomes a weighted sum), back-propagated by `methods.base.step_backward`. advantages and weights: (B, G); a
+    member of weight 0 does not train this step, and a start latent none of whose members trains it is not
+    forwarded, unless other ranks forward more (`forwarded_rows`). policy_loss(ki, rows, velocity, log_probs,
+    old_log_probs, advantages, weights) -> the weighted sum of a micro-batch's losses, in place of PPO's clipped one
+    (Flow-DPPO's mask); rows index the (B*S,) start latents. Returns this step's statistics, or None when no member
+    of this rank trains it."""
     k = rollout.sde_steps[ki]
     B, S, G = rollout.start_latents.shape[0], rollout.start_latents.shape[2], advantages.shape[1]
-    members = G // S  # members scored by one forward
-    start_latents = rollout.start_latents[:, ki].flatten(0, 1)  # (B*S, ...)
-    targets = rollout.next_latents[:, ki].unflatten(1, (S, members)).flatten(0, 1)  # (B*S, G/S, ...)
-    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, members)  # (B*S, G/S)
-    advantages = advantages.reshape(B * S, members)  # (B*S, G/S)
-    weights = weights.reshape(B * S, members).to(start_latents.device)  # (B*S, G/S)
-    prompt_index = torch.arange(B, device=start_latents.device).repeat_interleave(S)  # (B*S,)
-    rows = forwarded_rows(weights, ctx.ranks)  # the start latents forwarded
-    loss, kl, log_ratios = 0.0, 0.0, []
-    for micro_batch in rows.split(method.max_batch) if len(rows) else []:
-        x, w = start_latents[micro_batch], weights[micro_batch]  # (n, ...), (n, G/S)
-        sigma = ctx.sigmas[k].expand(len(micro_batch)).to(x.device)  # (n,)
-        velocity = ctx.velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
-        log_probs = member_log_probs(method.step, x, velocity, targets[micro_batch], ctx.sigmas, k)  # (n, G/S)
+    old_log_probs = rollout.old_log_probs[:, ki].reshape(B * S, G // S)  # (B*S, G/S)
+    advantages = advantages.reshape(B * S, G // S)  # (B*S, G/S)
+    weights = weights.reshape(B * S, G // S).to(rollout.start_latents.device)  # (B*S, G/S)
+
+    def loss_fn(rows, x, velocity, log_probs, base):
+        w = weights[rows]  # (n, G/S)
         if policy_loss is None:
-            batch_loss = clipped_loss(log_probs, old_log_probs[micro_batch], advantages[micro_batch],
-                                      method.clip_range, w)
+            loss = clipped_loss(log_probs, old_log_probs[rows], advantages[rows], method.clip_range, w)
         else:
-            batch_loss = policy_loss(ki, micro_batch, velocity, log_probs, old_log_probs[micro_batch],
-                                     advantages[micro_batch], w)
+            loss = policy_loss(ki, rows, velocity, log_probs, old_log_probs[rows], advantages[rows], w)
+        kl = 0.0
         if method.kl_beta > 0:  # the method's KL to the base model's step, weighted as its members
-            with torch.no_grad():
-                base = ctx.base_velocity_fn(x, sigma, prompt_index[micro_batch])  # (n, ...)
-            batch_kl = (method.kl(velocity, base, ctx.sigmas, k) * w.sum(1)).sum()
-            batch_loss = batch_loss + method.kl_beta * batch_kl
-            kl += float(batch_kl.detach())
-        # backward even when the loss is not finite: the all-reduced gradient norm then skips the step on every rank
-        batch_loss.backward()
-        loss += float(batch_loss.detach())
-        log_ratios.append((log_probs - old_log_probs[micro_batch]).detach()[w > 0])
-    log_ratio = torch.cat(log_ratios) if log_ratios else torch.empty(0)  # one value per trained member
+            batch_kl = (method.kl(velocity, base(), ctx.sigmas, k) * w.sum(1)).sum()
+            loss = loss + method.kl_beta * batch_kl
+            kl = float(batch_kl.detach())
+        return loss, float(loss.detach()), kl, (log_probs - old_log_probs[rows]).detach()[w > 0]
+
+    rows = forwarded_rows(weights, ctx.ranks)  # the start latents forwarded
+    loss, kl, log_ratio = step_backward(method, ctx, rollout, ki, loss_fn, rows)  # log_ratio: one a trained member
     return None if log_ratio.numel() == 0 else {"loss": loss, "kl": kl, **ratio_stats(log_ratio, method.clip_range)}
 
 

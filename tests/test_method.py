@@ -331,3 +331,27 @@ def test_update_skips_non_finite():
                                             UpdateContext(net, params, torch.optim.SGD(params, lr=1.0), sigmas))
     assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 0
     assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
+class DoubledNoise(G2RPO):
+    """A fork that changes one thing: the SDE step's noise scale, doubled."""
+
+    def std_dev(self, sigmas, i):
+        return 2 * super().std_dev(sigmas, i)
+
+
+def test_a_fork_that_changes_the_step_samples_and_scores_with_it():
+    """G2RPO's rollout samples its branches through `self.step`, the hook its update scores with, so a subclass that
+    changes the step (here its std_dev) changes both: the first ratios are 1 up to rounding (0.47 from 1 here with a
+    rollout that took its own step), and the branches' spread is the doubled noise's."""
+    torch.manual_seed(0)
+    net = Affine(6, 1)
+    sigmas = sigma_schedule(6, 3.0)
+    fork, plain = DoubledNoise(**{**vars(g2rpo(sde_steps=[0, 1])), "granularities": [1]}), g2rpo(sde_steps=[0, 1])
+    noise = torch.randn(1, 6)
+    out = fork.rollout(net, noise, sigmas, generators(1), [0, 1])
+    params = list(net.parameters())
+    stats = fork.update(out, torch.randn(1, 2, 4), UpdateContext(net, params, torch.optim.SGD(params, lr=0.0), sigmas))
+    assert stats["first_ratio_error"] < 1e-6 and abs(stats["ratio_mean"] - 1) < 1e-6
+    spread = lambda rollout: (rollout.next_latents - rollout.next_latents.mean(2, keepdim=True)).std()
+    assert spread(out) > 1.5 * spread(plain.rollout(net, noise, sigmas, generators(1), [0, 1]))
