@@ -373,7 +373,8 @@ PRESETS = {
     # take 96 seeds, 1,152 images: at most 0.015 (8.7 s each on 2 cores). 120 iterations: 4 of 5 seeds end 0.2 above the
     # base on one machine of this project's kind, 5 of 5 on another (160: 5 of 5 on both), docs/tiny_world.md
     "tiny": dict(model_path="", max_sequence_length=16, resolution=32, num_steps=8, prompts_per_iteration=8,
-                 max_batch=512, rewards=["shapes=1.0"], num_iterations=120, eval_every=20, eval_seeds=8, final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
+                 max_batch=512, rewards=["shapes=1.0"], num_iterations=120, eval_every=20, eval_seeds=8,
+                 final_eval_seeds=96, eval_prompts=0, checkpoint_every=40,
                  gradient_checkpointing=False, mixed_precision="no", prompt_file="prompts/tiny_train.txt",
                  eval_prompt_file="prompts/tiny_eval.txt", output_dir="runs/tiny", seed=0,
                  eval_rewards=["shapes", "shapes-strict"]),  # held out: the strict pass's success rate

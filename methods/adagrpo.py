@@ -49,6 +49,20 @@ from sampler import SDE_TYPES
 
 BASES = ("own", *(name for name in REGISTRY if name != "adagrpo"))
 
+# -----------------------------------------------------------------------------------------------------------------
+# The values AdaGRPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+# scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
+PRESETS = {
+    "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "eta": 0.7,
+             "group_size": 12, "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300,
+             "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False,
+             "rewards": ["hpsv3=1.0"]},
+    # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
+    "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
+
 
 class Curriculum:
     """The moving mean and variance of anchor scores, and the two rules that read them. Shapes: B prompts, P
@@ -134,14 +148,7 @@ class AdaGRPO(Method, SDEStep):
     sde_type: Literal[SDE_TYPES] | None = field(default=None, kw_only=True)
     """The base method's SDE step (its --sde-type: flow or cps); None: the base method's default."""
 
-    # scripts/train_adagrpo.sh: 8 GPUs x 1 trained prompt (of 10), a full fine-tune (bf16), 300 steps, HPSv3
-    presets = {
-        "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "eta": 0.7,
-                 "group_size": 12, "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300,
-                 "max_grad_norm": 1.0, "adv_clip_max": 5.0, "gradient_checkpointing": False,
-                 "rewards": ["hpsv3=1.0"]},
-        # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
-        "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
+    presets = PRESETS  # (the file's top)
 
     # flags of every method in configurations written before this file owned them: a run of another method with the
     # curriculum on is refused on resume (it resumes as --method adagrpo --adagrpo-base NAME, a new run)

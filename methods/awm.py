@@ -75,6 +75,25 @@ from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, check_tim
                           ratio_stats, training_timesteps, update_stats)
 
 WEIGHTINGS = ("ghuber", "uniform", "t", "t2", "huber")  # --awm-weighting
+# -----------------------------------------------------------------------------------------------------------------
+# The values AWM runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+RECIPE = dict(kl_beta=1e-3, clip_range=1.0, adv_clip_max=5.0, max_grad_norm=1.0)  # the authors', every --model
+PRESETS = {
+    # Flow-Factory's FLUX.1-dev LoRA recipe (examples/awm/lora/flux1/default.yaml): 10 ODE steps at 512^2,
+    # guidance 3.5, G 16, 48 prompts an epoch, micro-batches of 2, 4 training sigmas over the first 70 %, the
+    # advantage clipped to +-1, no KL, the EMA term 0.1, the anchor's decay to 0.3 over 300 epochs, global std
+    "flux": dict(lora_rank=64, lora_alpha=128.0, resolution=512, num_steps=10, shift=3.0, sigma_grid="sd3",
+                 guidance=3.5, group_size=16, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4,
+                 kl_beta=0.0, adv_clip_max=1.0, ema_kl_beta=0.1, time_sampling="discrete", train_timesteps=4,
+                 time_fraction=0.7, time_micro_batch=2, rollout_solver="euler"),
+    # the authors' SD3.5-M GenEval run (config/dgx_awm.py): 14 steps at 512^2, no CFG, G 24, 72 prompts an
+    # epoch, LoRA r32 alpha 64, lr 3e-4
+    "sd3": dict(lora_rank=32, lora_alpha=64.0, resolution=512, num_steps=14, shift=3.0, sigma_grid="sd3",
+                guidance=1.0, group_size=24, prompts_per_iteration=72, lr=3e-4, weight_decay=1e-4),
+}
 
 
 def matching_log_likelihood(velocity, x0, noise, sigma, weighting="uniform", power=0.25):
@@ -150,20 +169,7 @@ class AWM(Method):
     with Euler."""
 
     per_step_advantages = False  # one reward per image
-    recipe = dict(kl_beta=1e-3, clip_range=1.0, adv_clip_max=5.0, max_grad_norm=1.0)  # the authors', every --model
-    presets = {
-        # Flow-Factory's FLUX.1-dev LoRA recipe (examples/awm/lora/flux1/default.yaml): 10 ODE steps at 512^2,
-        # guidance 3.5, G 16, 48 prompts an epoch, micro-batches of 2, 4 training sigmas over the first 70 %, the
-        # advantage clipped to +-1, no KL, the EMA term 0.1, the anchor's decay to 0.3 over 300 epochs, global std
-        "flux": dict(lora_rank=64, lora_alpha=128.0, resolution=512, num_steps=10, shift=3.0, sigma_grid="sd3",
-                     guidance=3.5, group_size=16, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4,
-                     kl_beta=0.0, adv_clip_max=1.0, ema_kl_beta=0.1, time_sampling="discrete", train_timesteps=4,
-                     time_fraction=0.7, time_micro_batch=2, rollout_solver="euler"),
-        # the authors' SD3.5-M GenEval run (config/dgx_awm.py): 14 steps at 512^2, no CFG, G 24, 72 prompts an
-        # epoch, LoRA r32 alpha 64, lr 3e-4
-        "sd3": dict(lora_rank=32, lora_alpha=64.0, resolution=512, num_steps=14, shift=3.0, sigma_grid="sd3",
-                    guidance=1.0, group_size=24, prompts_per_iteration=72, lr=3e-4, weight_decay=1e-4),
-    }
+    recipe, presets = RECIPE, PRESETS  # (the file's top)
 
     def problem(self, num_steps):
         if not 0 < self.awm_ghuber_power <= 1:

@@ -67,6 +67,17 @@ import torch
 from g2rpo import clipped_loss
 from methods.base import Method, SDEStep, optimizer_step, ratio_stats, update_stats
 from sampler import CountingVelocity, Rollout, prompt_noise
+# -----------------------------------------------------------------------------------------------------------------
+# The values BranchGRPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+RECIPE = dict(eta=0.3)
+# its FLUX.1-dev script: 8 GPUs x 2 prompts, 300 iterations, HPS-v2.1, full fine-tune
+PRESETS = {"flux": dict(num_steps=20, shift=3.0, group_size=16, resolution=720, lr=1e-5, weight_decay=1e-4,
+                        clip_range=1e-3, max_grad_norm=1.0, kl_beta=0.0, lora_rank=0, prompts_per_iteration=16,
+                        num_iterations=300, rewards=["hps=1.0"]),
+           "tiny": dict(split_points=[0, 2, 4])}
 
 
 def edges_per_step(num_steps, split_points):
@@ -204,12 +215,7 @@ class BranchGRPO(Method, SDEStep):
     """Pruning applies during this share of --num-iterations (BranchGRPO 1.0: all of it)."""
 
     per_step_advantages = True  # each edge its own depth's advantage
-    recipe = dict(eta=0.3)
-    # its FLUX.1-dev script: 8 GPUs x 2 prompts, 300 iterations, HPS-v2.1, full fine-tune
-    presets = {"flux": dict(num_steps=20, shift=3.0, group_size=16, resolution=720, lr=1e-5, weight_decay=1e-4,
-                            clip_range=1e-3, max_grad_norm=1.0, kl_beta=0.0, lora_rank=0, prompts_per_iteration=16,
-                            num_iterations=300, rewards=["hps=1.0"]),
-               "tiny": dict(split_points=[0, 2, 4])}
+    recipe, presets = RECIPE, PRESETS  # (the file's top)
 
     def std_dev(self, sigmas, i):
         """Its SDE step is DanceGRPO's: the flow step's mean and std at a constant std_dev = eta."""

@@ -32,6 +32,14 @@ import torch
 from advantage import granular_advantages
 from methods.base import Method, SDEStep, check_sde_steps
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
+# -----------------------------------------------------------------------------------------------------------------
+# The values DanceGRPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+RECIPE = dict(eta=0.3)  # on every --model
+PRESETS = {"flux": dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
+                        kl_beta=0.0, lora_rank=0)}  # its published FLUX.1 run
 
 
 def random_step_mask(generators, num_steps, group_size, fraction):
@@ -62,9 +70,7 @@ class DanceGRPO(Method, SDEStep):
     over its members and trained steps (DanceGRPO 3: chunks of 4 at G 12; 1 = one step an iteration)."""
 
     per_step_advantages = False  # one reward per trajectory, for all its steps
-    recipe = dict(eta=0.3)  # on every --model
-    presets = {"flux": dict(group_size=12, num_steps=16, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
-                            kl_beta=0.0, lora_rank=0)}  # its published FLUX.1 run
+    recipe, presets = RECIPE, PRESETS  # (the file's top)
     per_steps = dict(sde_steps=all_but_last)  # values that follow the run's N
     # written before methods had files: the axes it ran with (None: a flag of its own now)
     legacy = dict(sampling="full", sde_type="dance", decode="x0", timestep_fraction=None, member_chunks=None,

@@ -72,6 +72,25 @@ from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, check_tim
                           training_timesteps)
 
 DECAYS = ("linear", "ocr")  # --nft-decay
+# -----------------------------------------------------------------------------------------------------------------
+# The values DiffusionNFT runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+RECIPE = dict(kl_beta=1e-4, adv_clip_max=5.0, max_grad_norm=1.0)  # the authors' script, on every --model
+PRESETS = {
+    # Flow-Factory's FLUX.1-dev LoRA recipe (examples/nft/lora/flux1/default.yaml): 8 ODE steps at 384^2, G 16,
+    # 48 prompts an epoch, 2 training sigmas in the first 70 % of the schedule, no KL, the group's std, the old
+    # policy's decay 0.001 an epoch up to 0.5
+    "flux": dict(lora_rank=64, lora_alpha=128.0, resolution=384, num_steps=8, shift=3.0, sigma_grid="sd3",
+                 group_size=16, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4, kl_beta=0.0,
+                 time_sampling="discrete", train_timesteps=2, time_fraction=0.7, global_std=False,
+                 rollout_solver="euler"),
+    # the authors' SD3.5-M run (config/nft.py): 10 DPM-Solver++(2M) steps at 512^2, no CFG, G 24, 48 prompts an
+    # epoch, LoRA r32 alpha 64, lr 3e-4
+    "sd3": dict(lora_rank=32, lora_alpha=64.0, resolution=512, num_steps=10, shift=3.0, sigma_grid="sd3",
+                guidance=1.0, group_size=24, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4),
+}
 
 
 def full(t):
@@ -152,20 +171,7 @@ class DiffusionNFT(Method):
     evaluation samples with Euler."""
 
     per_step_advantages = False  # one reward per image
-    recipe = dict(kl_beta=1e-4, adv_clip_max=5.0, max_grad_norm=1.0)  # the authors' script, on every --model
-    presets = {
-        # Flow-Factory's FLUX.1-dev LoRA recipe (examples/nft/lora/flux1/default.yaml): 8 ODE steps at 384^2, G 16,
-        # 48 prompts an epoch, 2 training sigmas in the first 70 % of the schedule, no KL, the group's std, the old
-        # policy's decay 0.001 an epoch up to 0.5
-        "flux": dict(lora_rank=64, lora_alpha=128.0, resolution=384, num_steps=8, shift=3.0, sigma_grid="sd3",
-                     group_size=16, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4, kl_beta=0.0,
-                     time_sampling="discrete", train_timesteps=2, time_fraction=0.7, global_std=False,
-                     rollout_solver="euler"),
-        # the authors' SD3.5-M run (config/nft.py): 10 DPM-Solver++(2M) steps at 512^2, no CFG, G 24, 48 prompts an
-        # epoch, LoRA r32 alpha 64, lr 3e-4
-        "sd3": dict(lora_rank=32, lora_alpha=64.0, resolution=512, num_steps=10, shift=3.0, sigma_grid="sd3",
-                    guidance=1.0, group_size=24, prompts_per_iteration=48, lr=3e-4, weight_decay=1e-4),
-    }
+    recipe, presets = RECIPE, PRESETS  # (the file's top)
 
     def problem(self, num_steps):
         if not self.nft_beta > 0:

@@ -53,10 +53,18 @@ from methods.base import Method, SDEStep, global_std_advantages, iteration_gener
 from methods.trajectories import accumulated_update, rollout_trajectories
 from sampler import SDE_TYPES
 
+# -----------------------------------------------------------------------------------------------------------------
+# The values Flow-DPPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
 # Flow-Factory's SD3.5-M recipe (examples/dppo/lora/sd3_5/geneval2_single.yaml)
 SD35 = dict(group_size=16, num_steps=10, shift=3.0, sigma_grid="sd3", resolution=512, prompts_per_iteration=64,
             lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, kl_beta=1e-3, lora_rank=32, lora_alpha=64.0,
             ema_decay=0.9, ema_every=4)
+RECIPE = dict(eta=0.7)
+PRESETS = {"sd3": dict(SD35, guidance=1.0), "flux": SD35}
+PER_SDE_TYPE = {}  # its defaults are its authors' CPS values already
 
 
 def random_steps(iteration, *, count, window, seed):
@@ -106,9 +114,7 @@ class FlowDPPO(Method, SDEStep):
     Gaussian step). The mask's KL is exact on either, so --kl-mask-threshold keeps its meaning."""
 
     per_step_advantages = False
-    recipe = dict(eta=0.7)
-    presets = {"sd3": dict(SD35, guidance=1.0), "flux": SD35}
-    per_sde_type = {}  # its defaults are its authors' CPS values already
+    recipe, presets, per_sde_type = RECIPE, PRESETS, PER_SDE_TYPE  # (the file's top)
 
     def problem(self, num_steps):
         if not 1 <= self.sde_draws <= self.sde_window <= num_steps:

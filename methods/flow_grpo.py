@@ -42,8 +42,21 @@ from methods.base import (Method, SDEStep, check_sde_steps, global_std_advantage
 from methods.trajectories import accumulated_update, all_but_last, rollout_trajectories
 from sampler import SDE_TYPES, sde_std_dev
 
+# -----------------------------------------------------------------------------------------------------------------
+# The values Flow-GRPO and Flow-GRPO-Fast run with, each with whose it is; what they do not name is every method's
+# start (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
 FLUX = dict(group_size=24, num_steps=6, shift=3.0, resolution=512, lr=3e-4, kl_beta=0.0, lora_rank=64,
             lora_alpha=128.0, lora_feed_forward=True)  # the published FLUX.1 configs' sizes
+# Flow-GRPO
+FLOW_GRPO_RECIPE = dict(eta=0.9)
+FLOW_GRPO_PRESETS = {"flux": dict(FLUX, clip_range=1e-4)}
+FLOW_GRPO_PER_SDE_TYPE = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}  # the authors' *_fast_nocfg configs, CPS
+# Flow-GRPO-Fast; on the tiny model's 8 steps, a window of 2
+FAST_RECIPE = dict(eta=0.8)
+FAST_PRESETS = {"flux": dict(FLUX, clip_range=1e-5), "tiny": dict(window_size=2)}
+FAST_PER_SDE_TYPE = {"flow": {"flux": dict(clip_range=1e-4, eta=0.9)}}  # Flow-GRPO's pickscore_flux values
 
 
 def flow_grpo_kl(velocity, base_velocity, sigmas, i, eta):
@@ -77,9 +90,7 @@ class FlowGRPO(Method, SDEStep):
     over its members and trained steps (Flow-GRPO 2; 1 = one step an iteration)."""
 
     per_step_advantages = False
-    recipe = dict(eta=0.9)
-    presets = {"flux": dict(FLUX, clip_range=1e-4)}
-    per_sde_type = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}  # the authors' *_fast_nocfg configs with CPS
+    recipe, presets, per_sde_type = FLOW_GRPO_RECIPE, FLOW_GRPO_PRESETS, FLOW_GRPO_PER_SDE_TYPE  # (the file's top)
     per_steps = dict(sde_steps=all_but_last)
     legacy = dict(sampling="full", adv_std="global", same_noise=False, kl_form="flow-grpo", reward_fusion="score",
                   member_chunks=None, step_per_sde_step=False)  # (methods/base.py)
@@ -144,10 +155,7 @@ class FlowGRPOFast(Method, SDEStep):
     Flow-GRPO's clip range and eta)."""
 
     per_step_advantages = False
-    recipe = dict(eta=0.8)
-    # its published FLUX sizes; on the tiny model's 8 steps, a window of 2
-    presets = {"flux": dict(FLUX, clip_range=1e-5), "tiny": dict(window_size=2)}
-    per_sde_type = {"flow": {"flux": dict(clip_range=1e-4, eta=0.9)}}  # Flow-GRPO's pickscore_flux values
+    recipe, presets, per_sde_type = FAST_RECIPE, FAST_PRESETS, FAST_PER_SDE_TYPE  # (the file's top)
     per_steps = dict(window_end=lambda num_steps: num_steps // 2)
     legacy = dict(sampling="mixed", window_schedule="random", sde_type="cps", adv_std="global", same_noise=False,
                   kl_form="flow-grpo", reward_fusion="score", member_chunks=None, step_per_sde_step=False)

@@ -28,6 +28,15 @@ from dataclasses import dataclass
 from advantage import granular_advantages
 from methods.base import Method, SDEStep
 from methods.trajectories import accumulated_update, rollout_trajectories
+# -----------------------------------------------------------------------------------------------------------------
+# The values MixGRPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+# its published FLUX sizes; on the tiny model's 8 steps, a window of 2 that moves every 4 iterations
+PRESETS = {"flux": dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
+                        kl_beta=0.0, lora_rank=0),
+           "tiny": dict(window_size=2, window_every=4)}
 
 
 def progressive_window(iteration, *, num_steps, size, stride, every):
@@ -61,10 +70,7 @@ class MixGRPO(Method, SDEStep):
     over its members and the window's steps (MixGRPO 4: chunks of 3 at G 12; 1 = one step an iteration)."""
 
     per_step_advantages = False
-    # its published FLUX sizes; on the tiny model's 8 steps, a window of 2 that moves every 4 iterations
-    presets = {"flux": dict(group_size=12, num_steps=25, shift=3.0, resolution=720, lr=1e-5, clip_range=1e-4,
-                            kl_beta=0.0, lora_rank=0),
-               "tiny": dict(window_size=2, window_every=4)}
+    presets = PRESETS  # (the file's top)
     legacy = dict(sampling="mixed", window_schedule="mixgrpo", member_chunks=None, step_per_sde_step=False)
 
     def problem(self, num_steps):

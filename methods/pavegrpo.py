@@ -43,6 +43,20 @@ import torch
 from g2rpo import G2RPO
 from methods.base import Method, SDEStep, member_log_probs, optimizer_step, ratio_stats, step_backward, update_stats
 from sampler import sde_step
+# -----------------------------------------------------------------------------------------------------------------
+# The values Pave-GRPO runs with, each with whose it is; what they do not name is every method's start
+# (g2rpo.py's VALUES) and the model's preset (lab/flags.py). `python train.py --model M --method NAME
+# --show-config` prints a run's, each value with where it came from.
+# -----------------------------------------------------------------------------------------------------------------
+RECIPE = {"eta": 0.8}
+PRESETS = {
+    # scripts/train_pavegrpo.sh: 8 GPUs x 1 prompt, a full fine-tune (bf16, gradient checkpointing), 300 steps,
+    # HPSv3
+    "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "group_size": 12,
+             "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300, "max_grad_norm": 1.0,
+             "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]},
+    # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
+    "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
 
 
 def ratio_on_policy(log_probs, advantages):
@@ -124,15 +138,7 @@ class PaveGRPO(Method, SDEStep):
     """ODE strides of the completions, as G2RPO's --granularities (the authors' scripts: {1})."""
 
     per_step_advantages = True
-    recipe = {"eta": 0.8}
-    presets = {
-        # scripts/train_pavegrpo.sh: 8 GPUs x 1 prompt, a full fine-tune (bf16, gradient checkpointing), 300 steps,
-        # HPSv3
-        "flux": {"resolution": 512, "num_steps": 16, "shift": 3.0, "sde_steps": [0, 2, 4, 6], "group_size": 12,
-                 "lr": 2e-6, "lora_rank": 0, "prompts_per_iteration": 8, "num_iterations": 300, "max_grad_norm": 1.0,
-                 "adv_clip_max": 5.0, "rewards": ["hpsv3=1.0"]},
-        # the tiny world and FLUX.2 klein complete at G2RPO's strides there (the bench's rows were measured so)
-        "tiny": dict(granularities=[1, 2, 3]), "flux2": dict(granularities=[1, 2])}
+    recipe, presets = RECIPE, PRESETS  # (the file's top)
     # G2RPO's trained steps, rollout and advantage, borrowed (a subclass would inherit G2RPO's flags); its SDE step
     # and KL are SDEStep's, as G2RPO's
     trained_steps, rollout, advantages = G2RPO.trained_steps, G2RPO.rollout, G2RPO.advantages
