@@ -11,7 +11,7 @@ member of a prompt starts step k from the same anchor latent, so one forward per
 all G members.
 
 When the ratio leaves 1: the first L_k of an iteration is scored under the rollout's own policy, so its ratios are
-exactly 1 (the first update's self-check tests that). Each optimizer step then moves the policy, so the next
+1 up to the rounding of the forward (exactly 1 on the CPU; the first update's self-check tests it). Each optimizer step then moves the policy, so the next
 steps' ratios (step k + 1, or the next inner epoch) are taken against the rollout's log-probabilities under a
 policy that has moved, and the clip bounds how far each step moves it.
 

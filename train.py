@@ -3,8 +3,8 @@
 One iteration (`iteration` below), on each rank, for its own prompts:
   1. prompts and noise: this rank's prompts (the shuffled data order, or the method's own choice from a pool of
      candidates), one initial noise per prompt (or per member, for the methods that want it) and per-prompt SDE
-     noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or many and after
-     a resume;
+     noise, seeded by (seed, iteration, global prompt position), so the run is the same on 1 rank or many (at a
+     fixed --prompts-per-iteration: its default, one prompt a rank, grows with the ranks) and after a resume;
   2. roll out (sampler.py): G2RPO's anchor + singular SDE branches + multi-granularity completions;
   3. decode every final latent and score it with every reward model (rewards.py);
   4. advantages per (reward, granularity, step), normalised in the group and summed (advantage.py);
@@ -23,6 +23,7 @@ Run it:
     torchrun --nproc_per_node 8 train.py --model flux                 # one node, full fine-tune, FSDP2
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py --model flux
     python train.py --model flux --help                               # every flag, with the preset's values
+    python train.py --model flux --show-config                        # every value of the run, and whose it is
     python train.py --model tiny --method NAME --help                 # a method's own flags (NAME: --help lists them)
 
 Deviations from the reference code (numbers of the README's list): 6 (granularities {1, 2, 3}), 7 (per-prompt
@@ -41,16 +42,14 @@ if __name__ == "__main__":  # a Ctrl-C while torch and the models' libraries imp
 
     signal.signal(signal.SIGINT, _interrupted)
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from lab import checkpoint
-from lab.flags import method_of, parse_args, validate, warn_long_prompts
+from lab.flags import method_of, parse_args, run_config, validate, warn_long_prompts
 from lab.loop import Harness, fp8_copy, restore, train_loop
 from lab.policy import build_policy, load_reward_models, setup_distributed
-from lab.run import Run
+from lab.run import Run, collective_failures
 from methods import step_credit
 
 
@@ -95,9 +94,7 @@ def main(args):
     log = print if master else (lambda *a, **k: None)
     prompts, eval_prompts, reward_weights = validate(args, world, log)
     run = Run(args, rank, world, distributed, log)
-    config = dataclasses.asdict(args)
-    if os.path.isdir(args.model_path):  # recorded as a path that reads the same from any folder (evaluate.py, resume)
-        config["model_path"] = os.path.abspath(args.model_path)
+    config = run_config(args)
     try:
         resume_from = run.open(config) if master else None  # (rank 0 holds the folder's lock)
         start = checkpoint.read_trainer_state(resume_from)["iteration"] if resume_from else 0
@@ -151,7 +148,8 @@ def main(args):
 if __name__ == "__main__":
     args = parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # parsed: Ctrl-C is the run's to handle from here
-    status = main(args)
+    with collective_failures(args):  # a rank stuck or dead: one line from rank 0, not every rank's traceback
+        status = main(args)
     if status is not None:  # stopped: leave at once, before Python's shutdown restores the default signal handlers
         sys.stdout.flush()
         sys.stderr.flush()

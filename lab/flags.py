@@ -2,8 +2,10 @@
 
 `TrainArgs` holds every flag that every method shares, with its meaning, typical range, the paper's symbol and the
 reference value; the chosen method's own flags join them (its class in methods/ declares them, `args_class`), and
-so do each reward's model paths (rewards.REWARDS declares them). `--model` picks a preset of defaults (`PRESETS`),
-`--method` a recipe over it (the method's `recipe` and `flux`), and every other flag overrides both. `check_flags`
+so do each reward's model paths (rewards.REWARDS declares them). `--model` picks a preset of defaults (`PRESETS`:
+the model's own settings), over which every method starts from the default method's values on that model (g2rpo.py's
+`VALUES`) and `--method` lays its own (the `recipe` and `presets` at the top of its file); every other flag
+overrides them all, and --show-config prints where each value came from. `check_flags`
 checks every flag before anything is loaded or written (each numeric TrainArgs flag has its range in `RULES`, a
 method's own in its `problem`) and prints the notes that need no model; `warn_long_prompts` is the one warning that
 needs the tokenizer. `resume_keys(method)` are those a resumed run must share with its checkpoint: `RESUME_FLAGS`
@@ -381,6 +383,15 @@ PRESETS = {
 }
 
 
+def run_config(args) -> dict:
+    """The run's flags as its config.json records them: a --model-path folder as an absolute path, which reads the
+    same from any folder (evaluate.py, a resume)."""
+    config = dataclasses.asdict(args)
+    if os.path.isdir(args.model_path):
+        config["model_path"] = os.path.abspath(args.model_path)
+    return config
+
+
 def method_of(args):
     """The method of a run's flags (methods/): its class, each field from the flag of its name."""
     cls = METHODS[args.method]
@@ -481,6 +492,18 @@ def refuse_repeats(argv, cls):
             seen.add(name)
 
 
+def refuse_unread(argv, method: str):
+    """A run flag that --method never reads, given, is refused in one line: it would change nothing (the shared
+    fields a method lists in `unread`, and --sde-steps under a method that has no such field)."""
+    cls = METHODS[method]
+    unread = dict(cls.unread)
+    if "sde_steps" not in {f.name for f in dataclasses.fields(cls)}:
+        unread["sde_steps"] = "it chooses the steps it trains itself, by its own flags"
+    for name, why in unread.items():
+        if _given(argv, name):
+            fail(f"{flag(name)} is not read by --method {method} ({why}); drop it")
+
+
 def refuse_bad_choices(argv, cls):
     """A flag of the dataclass `cls` with a fixed set of values, given another, is refused in one line (its parser
     would print a box of several)."""
@@ -532,6 +555,7 @@ def parse_args(argv=None, base=None):
         named = " or ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
         fail(f"{name} is a flag of --method {named}, not of --method {method}; drop it, or use "
              + (f"--method {others[0]}" if len(others) == 1 else "one of those methods"))
+    refuse_unread(argv, method)
     cls = args_class(method, base)
     refuse_repeats(argv, cls)
     refuse_bad_choices(argv, cls)

@@ -5,6 +5,7 @@ and the loop around the iterations (evaluations, the reward-hacking watch, check
 `Harness` is what train.iteration and a method's `prompts` hook are given (`data`, methods/base.py): this rank's
 share of the data, the policy's forwards, the rewards, and the collectives. It names no method.
 """
+import contextlib
 import math
 import time
 
@@ -34,7 +35,8 @@ class Harness:
         self.check = None  # the first update's self-checks (FirstUpdateChecks), until an update has run them
         self.started, self.times, self.metrics, self.notes = time.time(), {}, {}, set()
 
-    # ---- 1. prompts and noise, keyed by (seed, iteration, global prompt position): the same on any rank count ----
+    # ---- 1. prompts and noise, keyed by (seed, iteration, global prompt position): the same on any rank count at a
+    # fixed --prompts-per-iteration (its default, one a rank, grows with the ranks) ----
     def batch(self, it, per_slot=1):
         """This rank's prompts of iteration `it` and their global positions; with `per_slot` P, P candidates for
         each of its prompts (slot b's: b P .. (b + 1) P - 1)."""
@@ -180,66 +182,76 @@ def first_frame(images):
 def held_out_eval(h, seeds=None, common=0):
     """Held-out reward of the deterministic (ODE) images on `seeds` fixed seeds a prompt (default --eval-seeds);
     with an EMA, of the EMA weights. Encodes, samples, decodes and scores --max-batch items at a time, so no phase
-    of it needs more memory than a rollout call. Returns metrics (each mean with its standard error over the images,
-    and the std of the per-seed means; with `common` < seeds also each mean over the first `common` seeds, as
-    eval/common/*: the seeds the run's first and last evaluations share) and up to GRID_IMAGES of this rank's images
-    (on the CPU). `h`: the harness (its check_stop runs before every transformer call)."""
-    args, policy, reward_models, eval_prompts, sigmas = h.args, h.policy, h.reward_models, h.eval_prompts, h.sigmas
-    rank, world, distributed, check_stop = h.rank, h.world, h.distributed, h.run.check_stop
+    of it needs more memory than a rollout call. Returns metrics (`eval_metrics`) and up to GRID_IMAGES of this
+    rank's images (on the CPU). `h`: the harness (its check_stop runs before every transformer call)."""
+    args, policy, rank, world = h.args, h.policy, h.rank, h.world
     seeds = seeds or args.eval_seeds
-    items = eval_items(len(eval_prompts), args.eval_prompts, seeds)
+    items = eval_items(len(h.eval_prompts), args.eval_prompts, seeds)
     per_rank = -(-len(items) // world)
     mine = items[rank * per_rank : (rank + 1) * per_rank]
     valid = len(mine)
     mine = mine + [items[-1]] * (per_rank - valid)  # equal work on every rank (FSDP forwards are collective)
-    # every reward's score, the held-out rewards' (--eval-rewards), and the per-image statistics of the
-    # reward-hacking watch
-    period = getattr(policy.adapter.pipe, "vae_scale_factor", 8) * 2  # pixels of one latent patch
-    fns = {**{f"reward/{name}": fn for name, fn in reward_models.fns.items()},
-           **{f"heldout/{name}": fn for name, fn in reward_models.held_out.items()},
-           "stats/saturation": lambda images, prompts: watch.saturation(first_frame(images)),
-           "stats/grid": lambda images, prompts: watch.grid_energy(first_frame(images), period)}
+    fns = eval_scores(h)
     per_seed = torch.zeros(len(fns), seeds, 3, dtype=torch.float64)  # (R, seeds, (sum, count, sum of squares))
     small = torch.zeros(len(mine), 3, 32, 32)  # every image, small, for the diversity over seeds
     grid = []
-    if policy.ema is not None:
-        policy.ema.swap()
-    try:
+    with policy.ema.swapped() if policy.ema is not None else contextlib.nullcontext():
         for start in range(0, len(mine), args.max_batch):
             chunk = mine[start : start + args.max_batch]
-            prompts = [eval_prompts[p] for p, _ in chunk]
-            cond = policy.adapter.encode(prompts)
-            noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.size)  # (b, ...)
-            velocity_fn = checked(check_stop, velocity(args, policy, policy.transformer, cond))
-            x0 = ode_sample(velocity_fn, noise, sigmas, max_batch=args.max_batch)
-            for i in range(0, len(chunk), args.reward_batch_size):
-                images = policy.adapter.decode(x0[i : i + args.reward_batch_size], args.size)  # (b', 3, H, W)
-                batch = chunk[i : i + args.reward_batch_size]
+            for i, images in eval_images(h, chunk):
+                batch = chunk[i : i + len(images)]
                 small[start + i : start + i + len(batch)] = torch.nn.functional.interpolate(
                     first_frame(images).float().cpu(), size=(32, 32), mode="area")
                 for r, fn in enumerate(fns.values()):
-                    scores = fn(images, prompts[i : i + args.reward_batch_size]).cpu()  # (b',)
+                    scores = fn(images, [h.eval_prompts[p] for p, _ in batch]).cpu()  # (b',)
                     for n, ((_, s), v) in enumerate(zip(batch, scores)):
                         if start + i + n < valid:  # not a padding item
                             per_seed[r, s] += torch.tensor([float(v), 1.0, float(v) ** 2], dtype=torch.float64)
                 if len(grid) < GRID_IMAGES:  # as bytes: 24 videos of 81 frames would hold gigabytes in fp32
                     grid.extend((images[: GRID_IMAGES - len(grid)] * 255).round().byte().cpu())
-    finally:
-        if policy.ema is not None:
-            policy.ema.swap()
-    if distributed:
+    if h.distributed:
         dist.all_reduce(per_seed)
         shares = [torch.zeros_like(small) for _ in range(world)]
         dist.all_gather(shares, small)
         small = torch.cat(shares)
     every = small[: len(items)]  # each rank's share in order, its padding past the end
-    prompt_of = torch.tensor([p for p, _ in items])
+    metrics = eval_metrics(per_seed, list(fns), every, torch.tensor([p for p, _ in items]), seeds, common)
+    return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
+
+
+def eval_scores(h):
+    """What scores each held-out image: every reward (reward/*), the held-out rewards (heldout/*, --eval-rewards),
+    and the per-image statistics of the reward-hacking watch (stats/*)."""
+    period = getattr(h.policy.adapter.pipe, "vae_scale_factor", 8) * 2  # pixels of one latent patch
+    return {**{f"reward/{name}": fn for name, fn in h.reward_models.fns.items()},
+            **{f"heldout/{name}": fn for name, fn in h.reward_models.held_out.items()},
+            "stats/saturation": lambda images, prompts: watch.saturation(first_frame(images)),
+            "stats/grid": lambda images, prompts: watch.grid_energy(first_frame(images), period)}
+
+
+def eval_images(h, chunk):
+    """The ODE images of the held-out (prompt, seed) pairs of `chunk`, decoded --reward-batch-size at a time:
+    yields (the position of the first in `chunk`, images (b, 3, H, W))."""
+    args, policy = h.args, h.policy
+    cond = policy.adapter.encode([h.eval_prompts[p] for p, _ in chunk])
+    noise = policy.adapter.noise([eval_noise_generator(p, s) for p, s in chunk], args.size)  # (b, ...)
+    velocity_fn = checked(h.run.check_stop, velocity(args, policy, policy.transformer, cond))
+    x0 = ode_sample(velocity_fn, noise, h.sigmas, max_batch=args.max_batch)
+    for i in range(0, len(chunk), args.reward_batch_size):
+        yield i, policy.adapter.decode(x0[i : i + args.reward_batch_size], args.size)  # (b', 3, H, W)
+
+
+def eval_metrics(per_seed, keys, small, prompt_of, seeds, common=0):
+    """An evaluation's metrics from its per-seed sums (R, seeds, 3) of the scores `keys` and its small images: each
+    mean with its standard error over the images and the std of the per-seed means; with `common` < seeds also each
+    mean over the first `common` seeds, as eval/common/* (the seeds the run's first and last evaluations share);
+    and the diversity over seeds of each prompt's images."""
     metrics = {}
-    spread = watch.diversity(every, prompt_of)  # (prompts with 2 or more seeds,)
+    spread = watch.diversity(small, prompt_of)  # (prompts with 2 or more seeds,)
     if len(spread):
         metrics["eval/stats/diversity"] = float(spread.mean())
         metrics["eval/stats_se/diversity"] = float(spread.std()) / len(spread) ** 0.5 if len(spread) > 1 else 0.0
-    for r, key in enumerate(fns):
+    for r, key in enumerate(keys):
         means = per_seed[r, :, 0] / per_seed[r, :, 1].clamp_min(1)  # (seeds,)
         kind, name = key.split("/", 1)
         total, count, squares = per_seed[r].sum(0).tolist()
@@ -250,7 +262,11 @@ def held_out_eval(h, seeds=None, common=0):
         if 0 < common < seeds:
             shared_total, shared_count, _ = per_seed[r, :common].sum(0).tolist()
             metrics[f"eval/common/{key}"] = shared_total / shared_count
-    return metrics, torch.stack(grid[:valid]) if valid else torch.empty(0)
+    return metrics
+
+
+class Stopped(Exception):
+    """A stop that has written its checkpoint and said its line: the loop ends there."""
 
 
 def train_loop(h, method, iteration_fn, config, start):
@@ -260,136 +276,216 @@ def train_loop(h, method, iteration_fn, config, start):
     scoring: the iteration is dropped; during the update: cut at an optimizer step) and the closing lines."""
     from tqdm import tqdm
 
-    args, policy, run, reward_models, eval_prompts = h.args, h.policy, h.run, h.reward_models, h.eval_prompts
-    # the first and last evaluations, which a run's result is read from, may take more seeds than the rest (the
-    # first its own number: a bench of many runs from one base evaluates that base once)
-    first, last = args.first_eval_seeds or args.final_eval_seeds or args.eval_seeds, \
-        args.final_eval_seeds or args.eval_seeds
-    def held_out(seeds=None):  # its metrics, with its seconds (time/evaluation), and its images
-        started = time.time()
-        metrics, images = held_out_eval(h, seeds, common=min(first, last) if seeds in (first, last) else 0)
-        return {**metrics, "time/evaluation": time.time() - started}, images
-
-    save = lambda done: run.save(done, policy.model, policy.transformer, policy.optimizer, config,
-                                 policy.adapter.pipeline_class, policy.params, policy.ema,
-                                 final=done == args.num_iterations, states=method.state_dict() or None)
-    saved = start  # the iteration of the newest checkpoint (0: none yet)
-    shown = min(args.eval_prompts or len(eval_prompts), len(eval_prompts))  # prompts per seed in the grids
-    captions = [f"{eval_prompts[p]} (seed {s})" for p, s in eval_items(len(eval_prompts), args.eval_prompts,
-                                                                         args.eval_seeds)]
-    if start == 0:
-        try:
-            before, images = held_out(first)
-        except Preempted:
-            run.log("stopped before the first iteration; nothing to save: rerun the same command plus --resume")
-            return
-        run.save_grid(images, 0, shown, captions)
-        run.write_metrics(0, before)
-    else:
-        before = run.resume_metrics(start)
-        added = [name for name in reward_models.held_out if f"eval/heldout/{name}" not in before]
-        if added and before:
-            run.log(f"note: the first evaluation has no held-out {', '.join(added)} (added since): the reward-hacking "
-                    f"watch takes its baseline from the next evaluation")
-    if start == args.num_iterations:  # every iteration ran, but a stop came before the final evaluation: take it now
-        try:
-            metrics, images = held_out(last)
-        except Preempted:
-            run.stopped(start, "stopped during the final evaluation; continue with the same command plus --resume")
-            return
-        run.save_grid(images, start, shown, captions)
-        run.write_metrics(start, metrics)
-        closing_lines(h, before, metrics)
+    args, run = h.args, h.run
+    evaluations, saves = Evaluations(h), Saves(h, method, config, start)
+    try:
+        before = evaluations.before_training(start)
+        if start == args.num_iterations:  # every iteration ran, but a stop came before the final evaluation
+            return closing_lines(h, before, evaluations.final(start))
+        h.check = FirstUpdateChecks(args, h.policy, h.sigmas, run.log, h.distributed) if args.gradient_check else None
+        bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations,
+                   disable=not run.master, dynamic_ncols=True)
+        metrics = {}
+        for it in bar:
+            with dropped_on_stop(h, method, saves, it, bar.close):
+                h.started, run.steps_taken = time.time(), 0  # (the update's optimizer steps, for a stop that cuts it)
+                metrics = iteration_fn(it)
+            metrics = all_mean(metrics, h.distributed)
+            if not metrics["faults/nonfinite_rewards"]:
+                h.check = None  # it ran with this iteration's update
+            faulty, done = run.count_faults(metrics), it + 1
+            hacked = evaluations.after(done, metrics, bar)  # (its metrics join the iteration's)
+            run.write_metrics(done, metrics)
+            run.stop_after_too_many_faults()
+            bar.set_postfix(reward=f"{metrics[evaluations.first_reward]:.4f}",
+                            loss=f"{metrics.get('losses/loss', 0):.2e}", s_it=f"{metrics['time/iteration']:.1f}")
+            saves.after(done, faulty, hacked, bar.close)
+        bar.close()
+    except Stopped:
         return
-    baseline = dict(before)  # what the watch compares each evaluation with
-    h.check = FirstUpdateChecks(args, policy, h.sigmas, run.log, h.distributed) if args.gradient_check else None
-    bar = tqdm(range(start, args.num_iterations), initial=start, total=args.num_iterations, disable=not run.master,
-               dynamic_ncols=True)
-    metrics, first_reward = {}, f"train/reward/{next(iter(reward_models.fns))}"
-    limits = watch.Limits(saturation=args.watch_saturation, grid=args.watch_grid, diversity=args.watch_diversity,
-                          z=args.watch_z)
-    for it in bar:
-        run.steps_taken = 0  # (the optimizer steps of this iteration's update, for a stop that cuts it)
-        # the method's state as iteration `it` left it: a stop inside the next iteration saves this one, which the
-        # rerun of that iteration moves again
-        held = method.state_dict()
-        try:
-            h.started = time.time()
-            metrics = iteration_fn(it)
-        except UpdateCut as cut:  # during the update, at an optimizer step: the weights are partly iteration it + 1's
-            bar.close()
-            method.load_state_dict(held)
-            if it > saved:  # the state of iteration `it` is gone from memory: these weights, cut short, stand for it
-                save(it)
-                line = (f"the checkpoint of iteration {it} is written with the first {cut.steps} optimizer steps of "
-                        f"iteration {it + 1} in it (which reruns in full on --resume)")
-            elif it:  # the state of iteration `it` is on disk already: nothing to write
-                line = (f"the checkpoint of iteration {it} on disk is kept and these steps dropped (iteration "
-                        f"{it + 1} reruns on --resume)")
-            else:
-                line = "no iteration was complete: nothing is saved"
-            run.stopped(it, f"stopped during iteration {it + 1}'s update, after {cut.steps} optimizer steps; {line}; "
-                            f"continue with the same command plus --resume")
-            return
-        except Preempted:  # during the rollout or its scoring: the weights are still those of iteration `it`
-            bar.close()
-            method.load_state_dict(held)
-            if it > saved:
-                save(it)
-            written = "written" if it else "none: no iteration was complete"
-            run.stopped(it, f"stopped during iteration {it + 1}, before its update (it reruns on --resume); the "
-                            f"checkpoint of iteration {it} is {written}; continue with the same command plus --resume")
-            return
-        metrics = all_mean(metrics, h.distributed)
-        if not metrics["faults/nonfinite_rewards"]:
-            h.check = None  # it ran with this iteration's update
-        faulty = run.count_faults(metrics)
-        done = it + 1
-        hacked = []
-        if (done % args.eval_every == 0 or done == args.num_iterations) and not run.should_stop():
-            try:
-                eval_metrics, images = held_out(last if done == args.num_iterations else None)
-                metrics.update(eval_metrics)
-                run.save_grid(images, done, shown, captions)
-                # the reward-hacking watch: the trained rewards' change since the first evaluation against the
-                # held-out ones' and the image statistics'
-                for key in [k for k in eval_metrics if k.startswith("eval/heldout") and k not in baseline]:
-                    baseline[key] = eval_metrics[key]  # a held-out reward added on resume: its first value
-                hacked, watched = watch.check(baseline, eval_metrics, limits)
-                metrics.update(watched)
-                if hacked:
-                    bar.clear()
-                    run.log(f"warning: reward hacking? from iteration 0 to {done}, {hacked[0]}; look at "
-                            f"samples/ (--stop-on-hacking stops here)")
-            except Preempted:  # the iteration is whole: it is saved below, without its evaluation
-                pass
-        run.write_metrics(done, metrics)
-        run.stop_after_too_many_faults()
-        bar.set_postfix(reward=f"{metrics[first_reward]:.4f}", loss=f"{metrics.get('losses/loss', 0):.2e}",
-                        s_it=f"{metrics['time/iteration']:.1f}")
+    if run.optimizer_steps == 0 and run.skipped_steps:  # (an update that trains nothing is no fault)
+        raise SystemExit(f"error: no optimizer step succeeded in iterations {start}..{args.num_iterations}; "
+                         f"nothing was learned (see faults/* in metrics.jsonl)")
+    if h.distributed:
+        run.check_ranks_agree(h.policy.params)
+    closing_lines(h, before, metrics)
+
+
+@contextlib.contextmanager
+def dropped_on_stop(h, method, saves, it, close_bar):
+    """Iteration it + 1, dropped when a stop comes in it: the method's state as iteration `it` left it is put back
+    (the rerun of the iteration moves it again), the checkpoint of iteration `it` written unless it is on disk, the
+    stop's line said, and `Stopped` raised. A stop during the rollout or its scoring finds the weights still those of
+    iteration `it`; one during the update (under torchrun: at an optimizer step, UpdateCut) finds them partly moved."""
+    held, run = method.state_dict(), h.run
+    try:
+        yield
+    except UpdateCut as cut:
+        close_bar()
+        method.load_state_dict(held)
+        if it > saves.saved:  # the state of iteration `it` is gone from memory: these weights, cut short, stand for it
+            saves(it)
+            line = (f"the checkpoint of iteration {it} is written with the first {cut.steps} optimizer steps of "
+                    f"iteration {it + 1} in it (which reruns in full on --resume)")
+        elif it:  # the state of iteration `it` is on disk already: nothing to write
+            line = (f"the checkpoint of iteration {it} on disk is kept and these steps dropped (iteration "
+                    f"{it + 1} reruns on --resume)")
+        else:
+            line = "no iteration was complete: nothing is saved"
+        run.stopped(it, f"stopped during iteration {it + 1}'s update, after {cut.steps} optimizer steps; {line}; "
+                        f"continue with the same command plus --resume")
+        raise Stopped from None
+    except Preempted:
+        close_bar()
+        method.load_state_dict(held)
+        if it > saves.saved:
+            saves(it)
+        written = "written" if it else "none: no iteration was complete"
+        run.stopped(it, f"stopped during iteration {it + 1}, before its update (it reruns on --resume); the "
+                        f"checkpoint of iteration {it} is {written}; continue with the same command plus --resume")
+        raise Stopped from None
+
+
+class Saves:
+    """The run's checkpoints: `saved`, the iteration of the newest (0: none yet); a call saves one."""
+
+    def __init__(self, h, method, config, start):
+        self.h, self.method, self.config, self.saved = h, method, config, start
+
+    def __call__(self, done):
+        policy, args = self.h.policy, self.h.args
+        self.h.run.save(done, policy.model, policy.transformer, policy.optimizer, self.config,
+                        policy.adapter.pipeline_class, policy.params, policy.ema, final=done == args.num_iterations,
+                        states=self.method.state_dict() or None)
+        self.saved = done
+
+    def after(self, done, faulty, hacked, close_bar):
+        """After iteration `done`: its checkpoint when one is due (every --checkpoint-every, the last, a stop), but
+        none from a faulty iteration, so that the last good one survives the rotation; at the last iteration, a
+        faulty one is saved if its weights are finite (`last_faulty`). A stop (a signal, or the watch under
+        --stop-on-hacking) then says its line and raises `Stopped`."""
+        h, args, run = self.h, self.h.args, self.h.run
         signalled = run.should_stop()
         # (after a resume rank 0 alone reads the first evaluation's metrics back, so it alone may see the watch fire)
         hacking = not signalled and any_rank(bool(hacked) and args.stop_on_hacking, h.distributed)
         stop = signalled or hacking
-        # no periodic checkpoint from a faulty iteration: the last good one must survive the rotation
         if (done % args.checkpoint_every == 0 or done == args.num_iterations) and not faulty or stop:
-            save(done)
-            saved = done
+            self(done)
+        elif done == args.num_iterations:
+            self.last_faulty(done)
         if stop:
-            bar.close()
+            close_bar()
             run.hacking_stop = hacking
             run.stopped(done, f"stopped after iteration {done}" + (
                 ": the reward-hacking watch fired (--stop-on-hacking); look at samples/, then continue with --resume "
                 "and --no-stop-on-hacking or wider --watch-* limits" if hacking else
                 "; continue with the same command plus --resume"))
+            raise Stopped
+
+    def last_faulty(self, done):
+        """The last iteration was faulty (its rewards, loss or gradients not finite: its update skipped). Its
+        weights and the method's state are saved if they are finite on every rank, as a skipped update leaves them;
+        else nothing is, and the run stops with one line naming the newest good checkpoint."""
+        from lab.checkpoint import latest_checkpoint
+
+        h = self.h
+        tensors = [*h.policy.params, *(t for part in self.method.state_dict().values() for t in part.values())]
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        finite = not any_rank(not all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point()),
+                              h.distributed)
+        if finite:
+            self(done)
+            h.run.log(f"note: iteration {done}, the last, was faulty and its update skipped (faults/* in "
+                      f"metrics.jsonl); its checkpoint holds the weights the last step taken left")
             return
-    bar.close()
-    if run.optimizer_steps == 0 and run.skipped_steps:  # (an update that trains nothing is no fault)
-        raise SystemExit(f"error: no optimizer step succeeded in iterations {start}..{args.num_iterations}; "
-                         f"nothing was learned (see faults/* in metrics.jsonl)")
-    if h.distributed:
-        run.check_ranks_agree(policy.params)
-    closing_lines(h, before, metrics)
+        newest = latest_checkpoint(h.run.out, log=lambda *a: None, set_aside=False) if h.run.master else None
+        raise SystemExit(f"error: after iteration {done}, the last, the weights or the method's state are not "
+                         f"finite, so nothing of it is saved; the newest good checkpoint is "
+                         f"{newest or 'none (lower --checkpoint-every to keep one)'}")
+
+
+class Evaluations:
+    """A run's held-out evaluations: the first before training (of the base model), one every --eval-every and the
+    last, each with its images saved, its metrics written and the reward-hacking watch on it. The first and last,
+    which a run's result is read from, may take more seeds than the rest (the first its own number: a bench of many
+    runs from one base evaluates that base once)."""
+
+    def __init__(self, h):
+        args, prompts = h.args, h.eval_prompts
+        self.h = h
+        self.first = args.first_eval_seeds or args.final_eval_seeds or args.eval_seeds
+        self.last = args.final_eval_seeds or args.eval_seeds
+        self.shown = min(args.eval_prompts or len(prompts), len(prompts))  # prompts per seed in the grids
+        self.captions = [f"{prompts[p]} (seed {s})" for p, s in eval_items(len(prompts), args.eval_prompts,
+                                                                           args.eval_seeds)]
+        self.limits = watch.Limits(saturation=args.watch_saturation, grid=args.watch_grid,
+                                   diversity=args.watch_diversity, z=args.watch_z)
+        self.first_reward = f"train/reward/{next(iter(h.reward_models.fns))}"
+        self.baseline = {}  # what the watch compares each evaluation with: the first's metrics
+
+    def take(self, seeds=None):
+        """One evaluation: its metrics, with its seconds (time/evaluation), and its images."""
+        started = time.time()
+        common = min(self.first, self.last) if seeds in (self.first, self.last) else 0
+        metrics, images = held_out_eval(self.h, seeds, common=common)
+        return {**metrics, "time/evaluation": time.time() - started}, images
+
+    def before_training(self, start):
+        """The first evaluation's metrics: taken now (start 0), or read back from the run's metrics."""
+        run = self.h.run
+        if start == 0:
+            try:
+                before, images = self.take(self.first)
+            except Preempted:
+                run.log("stopped before the first iteration; nothing to save: rerun the same command plus --resume")
+                raise Stopped from None
+            run.save_grid(images, 0, self.shown, self.captions)
+            run.write_metrics(0, before)
+        else:
+            before = run.resume_metrics(start)
+            added = [name for name in self.h.reward_models.held_out if f"eval/heldout/{name}" not in before]
+            if added and before:
+                run.log(f"note: the first evaluation has no held-out {', '.join(added)} (added since): the "
+                        f"reward-hacking watch takes its baseline from the next evaluation")
+        self.baseline = dict(before)
+        return before
+
+    def final(self, done):
+        """The last evaluation, of a run whose iterations all ran before a stop: its metrics."""
+        try:
+            metrics, images = self.take(self.last)
+        except Preempted:
+            self.h.run.stopped(done, "stopped during the final evaluation; continue with the same command plus "
+                                     "--resume")
+            raise Stopped from None
+        self.h.run.save_grid(images, done, self.shown, self.captions)
+        self.h.run.write_metrics(done, metrics)
+        return metrics
+
+    def after(self, done, metrics, bar):
+        """After iteration `done`: its evaluation when one is due (every --eval-every and the last, unless a stop is
+        asked) and the reward-hacking watch on it, their metrics added to `metrics`. Returns what the watch found
+        (a stop during the evaluation leaves the iteration whole, saved without it)."""
+        args, run = self.h.args, self.h.run
+        if not (done % args.eval_every == 0 or done == args.num_iterations) or run.should_stop():
+            return []
+        try:
+            eval_metrics, images = self.take(self.last if done == args.num_iterations else None)
+        except Preempted:
+            return []
+        metrics.update(eval_metrics)
+        run.save_grid(images, done, self.shown, self.captions)
+        # the reward-hacking watch: the trained rewards' change since the first evaluation against the held-out
+        # ones' and the image statistics'
+        for key in [k for k in eval_metrics if k.startswith("eval/heldout") and k not in self.baseline]:
+            self.baseline[key] = eval_metrics[key]  # a held-out reward added on resume: its first value
+        hacked, watched = watch.check(self.baseline, eval_metrics, self.limits)
+        metrics.update(watched)
+        if hacked:
+            bar.clear()
+            run.log(f"warning: reward hacking? from iteration 0 to {done}, {hacked[0]}; look at samples/ "
+                    f"(--stop-on-hacking stops here)")
+        return hacked
 
 
 def closing_lines(h, before, metrics):

@@ -3,8 +3,8 @@ follow-ups (Pave-GRPO, AdaGRPO), the field's newest (Flow-DPPO, BranchGRPO), and
 SDE step. Each is a class on the interface of methods/base.py, in a file of its own that holds all of its decisions,
 flags and state.
 
-`METHODS` is the registry: one line a method, its name and where its class lives, imported when first read (so
-that g2rpo.py and the method files can import methods.base without a cycle). A new method is a file here and a
+`REGISTRY` is the registry: one line a method, its name and where its class lives; `METHODS`, {name: class}, is
+built from it when first read (so that g2rpo.py and the method files can import methods.base without a cycle). A new method is a file here and a
 line below (docs/methods.md walks one through).
 """
 import importlib

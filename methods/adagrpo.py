@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 
 from methods import REGISTRY
-from methods.base import Batch, Method, SDEStep
+from methods.base import Batch, Method, SDEStep, delegate
 from sampler import SDE_TYPES
 
 BASES = ("own", *(name for name in REGISTRY if name != "adagrpo"))
@@ -118,6 +118,9 @@ def with_global_advantage(advantages, scores, weights, curriculum, adv_clip_max)
     return advantages + extra.to(advantages.device)
 
 
+@delegate("base", hooks=("notes", "start", "step", "kl", "initial_noise", "trained_steps", "rollout", "update",
+                         "optimizer_steps", "update_nfe", "cost_iterations", "check_loss"),
+          properties=("per_step_advantages",))
 @dataclass
 class AdaGRPO(Method, SDEStep):
     """AdaGRPO: the run's flags it reads (methods/base.py's, --sde-steps, and --num-steps and --seed, which a base
@@ -176,9 +179,6 @@ class AdaGRPO(Method, SDEStep):
             return f"--curriculum-ema {self.curriculum_ema}: must be in [0, 1) (AdaGRPO 0.8)"
         return self.base.problem(num_steps)
 
-    def notes(self, sigmas):
-        return self.base.notes(sigmas)
-
     # ---- (a) the curriculum: which prompts this iteration trains on ----
     @property
     def anchor_candidates(self):
@@ -225,46 +225,8 @@ class AdaGRPO(Method, SDEStep):
             return advantages
         return with_global_advantage(advantages, scores, weights, self.curriculum, self.adv_clip_max)
 
-    # ---- the rest: the base method's (own: G2RPO's rollout and the authors' loss) ----
-    @property
-    def per_step_advantages(self):
-        return self.base.per_step_advantages
-
-    def start(self, trained):
-        self.base.start(trained)
-
-    def step(self, latents, velocity, sigmas, i, noise=None, next_latents=None):
-        return self.base.step(latents, velocity, sigmas, i, noise, next_latents)
-
-    def kl(self, velocity, base_velocity, sigmas, i):
-        return self.base.kl(velocity, base_velocity, sigmas, i)
-
-    def initial_noise(self, draw, generators):
-        return self.base.initial_noise(draw, generators)
-
-    def trained_steps(self, iteration):
-        return self.base.trained_steps(iteration)
-
-    def rollout(self, velocity_fn, noise, sigmas, generators, steps, image_only_fn=None):
-        return self.base.rollout(velocity_fn, noise, sigmas, generators, steps, image_only_fn)
-
-    def optimizer_steps(self, num_trained_steps):
-        """One an inner epoch (the authors' loss), or the base method's."""
-        return self.base.optimizer_steps(num_trained_steps)
-
-    def update_nfe(self, rollout):
-        return self.base.update_nfe(rollout)
-
-    def cost_iterations(self):
-        return self.base.cost_iterations()
-
+    # ---- the rest is the base method's (own: G2RPO's rollout and the authors' loss), forwarded by `delegate` ----
     def for_planning(self):
         planned = copy.copy(self)
         planned.base = self.base.for_planning()
         return planned
-
-    def check_loss(self, velocity_fn, rollout, sigmas):
-        return self.base.check_loss(velocity_fn, rollout, sigmas)
-
-    def update(self, rollout, advantages, ctx):
-        return self.base.update(rollout, advantages, ctx)

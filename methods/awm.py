@@ -131,6 +131,7 @@ class AWM(Method):
     --method awm). Its state: the EMA anchor, a copy of the trained weights."""
 
     label = "AWM"
+    unread = {"eta": "its rollout is an ODE, it samples no SDE step"}
 
     num_steps: int
     # --- its own flags ---

@@ -4,7 +4,8 @@ small parts of an update that every method shares.
 A method is a dataclass derived from `Method`. Its fields are the values it reads: the run's flags every method
 reads (declared once, here), the run's flags it reads besides (--sde-steps, --num-steps, --seed: declared in its
 class, documented in lab/flags.py), then its own flags, each with a docstring, which train.py puts on its command
-line under that --method (`python train.py --method NAME --help` lists them). One iteration asks it, in order:
+line under that --method (`python train.py --method NAME --help` lists them). Its values on each model open its
+file. One iteration asks it, in order (the four without a default are the method):
 
     prompts(it, data) -> Batch        which prompts it trains on (default: the shuffled data order)
     initial_noise(draw, generators)   x_T: one per prompt (B, ...), default, or one per member (B, G, ...)
@@ -14,32 +15,37 @@ line under that --method (`python train.py --method NAME --help` lists them). On
     advantages(scores (B, J, K, G, R), weights (R,), ranks, rollout) -> (B, K or 1, G)
     update(rollout, advantages (B, K, G), ctx: UpdateContext) -> statistics (`update_stats`)
 
-and, around the iteration:
+its state, and its checks:
 
-    problem(num_steps)                why its values cannot run, in one line, or None (checked before anything loads)
-    notes(sigmas)                     lines worth saying before the run starts
-    start(trained)                    once, before training or a resume: the trained parameters, by name, for a
-                                      method that keeps a copy of them (an old or EMA policy)
     state_dict(), load_state_dict()   its state across iterations, saved in every checkpoint ({name: {key: tensor}},
                                       each a file of the checkpoint) and restored on --resume; state it moves before
                                       its update is restored by the loop when a stop drops the iteration
-    optimizer_steps(K)                the optimizer steps of one update over K trained steps
-    update_nfe(rollout)               the forwards of one update (perf/update_nfe, tools/bench.py's table)
-    cost_iterations()                 the iterations whose rollouts' mean cost is a run's (tools/bench.py's budget):
-                                      the first, or one per position of a moving window
-    anchor_candidates                 candidates per trained prompt whose ODE image `prompts` scores (its cost)
-    for_planning()                    a copy whose update does the most work it can (tools/plan.py's upper bound)
+    start(trained)                    once, before training or a resume: the trained parameters, by name, for a
+                                      method that keeps a copy of them (an old or EMA policy)
+    problem(num_steps)                why its values cannot run, in one line, or None (checked before anything loads)
+    notes(sigmas)                     lines worth saying before the run starts
     check_loss(velocity_fn, rollout, sigmas)
                                       the loss the first update's gradient self-check compares kernels on, or a
                                       one-line reason why there is none
 
+and, apart (`Costs`), what the tools and the metrics count, whose defaults fit a method that forwards each start
+latent once per trained step and inner epoch: optimizer_steps(K), update_nfe(rollout), cost_iterations(),
+anchor_candidates and for_planning().
+
 Class attributes: `label` (its name in tables: the bench's rows); `values_from` (whose values its flags' defaults
 are, for the bench's table); `per_step_advantages` (each trained step has its own advantage, so --step-credit can
 move them); `recipe` (the run's flags it sets on every --model) and `presets` ({model: values} on top of it, e.g.
-its published FLUX sizes); `per_steps` (values that follow the run's N, as functions of N); `legacy` (the axes a
-configuration written before methods had files of their own held for it, checked on resume); `retired_flags` (its
-own flags that every run had before it owned them, with the value that left them off: a checkpoint of another method
-with another value is refused on resume).
+its published FLUX sizes), both at the top of its file; `per_steps` (values that follow the run's N, as functions of
+N); `legacy` (the axes a configuration written before methods had files of their own held for it, checked on
+resume); `retired_flags` (its own flags that every run had before it owned them, with the value that left them
+off: a checkpoint of another method with another value is refused on resume); `unread` (the run's flags of
+`Method`'s fields it never reads, with why: given, they are refused; --sde-steps is refused under a method without
+that field).
+
+An update that scores SDE steps runs its loss through `step_backward`, the one loop that forwards a step's start
+latents in micro-batches, scores their members with the method's `step` and back-propagates; a method brings its
+loss as a short function. A method built around another (AdaGRPO) forwards what it does not change with
+`delegate`.
 
 A method that scores no SDE step rolls out with `ode_rollout` (final latents only, no log-probability) and keeps
 its old or EMA policy as a `FrozenCopy` of the trained weights, its state (methods/diffusionnft.py).
@@ -93,8 +99,33 @@ class UpdateContext:
     iteration: int = 0
 
 
+class Costs:
+    """What the tools and the metrics count of a method (tools/bench.py's budget and table, tools/plan.py's upper
+    bound, perf/update_nfe), with defaults that fit a method whose update forwards each start latent once per
+    trained step and inner epoch, one optimizer step each: a new method writes none of these unless it differs."""
+
+    anchor_candidates = 0  # candidates per trained prompt whose ODE image `prompts` scores (their cost)
+
+    def optimizer_steps(self, num_trained_steps):
+        """The optimizer steps of one update over K trained steps."""
+        return self.inner_epochs * num_trained_steps
+
+    def update_nfe(self, rollout):
+        """The forwards of one update: one with gradients per start latent, trained step and inner epoch."""
+        B, K, S = rollout.start_latents.shape[:3]
+        return B * S * K * self.inner_epochs
+
+    def cost_iterations(self):
+        """The iterations whose rollouts' mean cost is a run's: the first, or one per position of a moving window."""
+        return [0]
+
+    def for_planning(self):
+        """A copy whose update does the most work it can (tools/plan.py's upper bound)."""
+        return self
+
+
 @dataclass
-class Method:
+class Method(Costs):
     """The interface, with its defaults. The fields are the run's flags every method reads."""
 
     group_size: int
@@ -118,7 +149,7 @@ class Method:
     values_from = "its authors'"
     per_step_advantages = True
     recipe, presets, per_steps, legacy, retired_flags = {}, {}, {}, {}, {}
-    anchor_candidates = 0
+    unread = {}  # {flag: why}: the fields above it never reads (a run that gives one is refused)
 
     def problem(self, num_steps):
         return None
@@ -162,20 +193,6 @@ class Method:
     def initial_noise(self, draw, generators):
         """x_T, one per prompt, shared by its G members: (B, ...). draw(generators) -> (n, ...), one each."""
         return draw(generators)
-
-    def optimizer_steps(self, num_trained_steps):
-        return self.inner_epochs * num_trained_steps
-
-    def update_nfe(self, rollout):
-        """One forward with gradients per start latent, trained step and inner epoch."""
-        B, K, S = rollout.start_latents.shape[:3]
-        return B * S * K * self.inner_epochs
-
-    def cost_iterations(self):
-        return [0]
-
-    def for_planning(self):
-        return self
 
     def check_loss(self, velocity_fn, rollout, sigmas):
         """The log-likelihood of the first prompt's members at its first trained step (`sde_check_loss`)."""
@@ -231,6 +248,26 @@ class SDEStep:
         if self.sde_type == "cps":
             return cps_kl(velocity, base_velocity, sigmas, i, self.eta)
         return sde_kl(velocity, base_velocity, sigmas, i, self.std_dev(sigmas, i))
+
+
+def delegate(to, hooks, properties=()):
+    """A class decorator for a method built around another: each of `hooks` (method names) and `properties` that
+    the class does not define itself answers as its attribute `to` (the other method) does."""
+    def forwarded(name):
+        def hook(self, *args, **kwargs):
+            return getattr(getattr(self, to), name)(*args, **kwargs)
+        hook.__name__ = hook.__qualname__ = name
+        return hook
+
+    def wrap(cls):
+        for name in hooks:
+            if name not in vars(cls):
+                setattr(cls, name, forwarded(name))
+        for name in properties:
+            if name not in vars(cls):
+                setattr(cls, name, property(lambda self, name=name: getattr(getattr(self, to), name)))
+        return cls
+    return wrap
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -207,8 +207,8 @@ class BranchGRPO(Method, SDEStep):
     depth_pruning_stop: int = 0
     """The shallowest depth the sliding pruned depths reach; 0 = the last split point (its script 9)."""
     width_pruning: int = 0
-    """Width pruning after the last split: 0 off (its script), 1 the better of each sibling pair, 2 the best and the
-    worst of the tree's edges."""
+    """Width pruning after the last split: 0 off (its script), 1 the top of each leaf's chain of edges by advantage,
+    2 the best and the worst of the tree's edges (`kept_by_width`)."""
     width_pruning_ratio: float = 0.5
     """The share of the edges after the last split that width pruning keeps (BranchGRPO 0.5)."""
     pruning_until: float = 1.0

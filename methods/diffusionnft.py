@@ -135,6 +135,7 @@ class DiffusionNFT(Method):
     --method diffusionnft). Its state: the old policy, a copy of the trained weights."""
 
     label = "DiffusionNFT"
+    unread = {"eta": "its rollout is an ODE, it samples no SDE step", "clip_range": "its loss takes no ratio"}
 
     num_steps: int
     # --- its own flags ---

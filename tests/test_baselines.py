@@ -320,7 +320,7 @@ def test_an_impossible_value_is_refused_in_one_line(capsys):
     for argv, words in [(["--method", "dancegrpo", "--member-chunks", "20"], "1..--group-size"),
                         (["--method", "flow-grpo-fast", "--eta", "1.5"], "(0, 1]"),
                         (["--method", "dancegrpo", "--timestep-fraction", "0.1"], "trains none"),
-                        (["--method", "mixgrpo", "--num-steps", "2", "--sde-steps", "0"], "--num-steps 3 or more"),
+                        (["--method", "mixgrpo", "--num-steps", "2"], "--num-steps 3 or more"),
                         (["--method", "mixgrpo", "--window-size", "9"], "longer than the schedule"),
                         (["--method", "mixgrpo", "--granularities", "1"], "a flag of --method g2rpo"),
                         (["--method", "full-sde", "--step-credit", "mean"], "a control for the methods whose steps have their own"),

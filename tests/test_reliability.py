@@ -368,6 +368,41 @@ def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().out.count("warning: an optimizer step was skipped: the rewards were not finite") == 1
 
 
+def test_a_faulty_last_iteration_is_saved_and_the_run_is_complete(base, tmp_path, monkeypatch, capsys):
+    """The rewards turn NaN in the last iteration, after no periodic checkpoint: its update is skipped, so its
+    weights are the last step's, finite, and they are saved as the run's last checkpoint (before, nothing was, and a
+    --resume started afresh over the run's metrics)."""
+    import rewards
+    from lab import checkpoint, tiny
+
+    train_prompts = set(open(PROMPTS).read().split("\n"))
+    calls = {"train": 0}
+
+    def last_nan(device, dtype, batch_size, paths):
+        def fn(images, prompts):
+            scores = tiny.shape_reward(images, prompts)
+            if prompts[0] in train_prompts:
+                calls["train"] += 1
+                if calls["train"] > 2:  # iteration 1: its rollout's and its anchors' calls; iteration 2: NaN
+                    scores[0] = float("nan")
+            return scores
+        return rewards._batched(fn, batch_size)
+
+    monkeypatch.setitem(rewards.REWARDS, "shapes", rewards.Reward(last_nan, {}))
+    out = tmp_path / "run"
+    args = [*base, "--num-iterations", "2", "--checkpoint-every", "100", "--eval-every", "100",
+            "--reward-batch-size", "1000"]
+    assert train.main(train.parse_args(args)) is None
+    assert "iteration 2, the last, was faulty" in capsys.readouterr().out
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert [r.get("faults/nonfinite_rewards") for r in rows[1:]] == [0.0, 1.0]
+    assert os.listdir(out / "checkpoints") == ["iter_000002"]
+    assert checkpoint.verify(str(out / "checkpoints" / "iter_000002")) is None
+    assert train.main(train.parse_args([*args, "--resume"])) is None
+    assert "the run is complete" in capsys.readouterr().out
+    assert [json.loads(l) for l in open(out / "metrics.jsonl")] == rows  # nothing replaced
+
+
 def test_a_failing_rank_stops_every_rank(flux_path, tmp_path):
     """SIGKILL one of two torchrun ranks mid-run: the whole job exits with an error, no rank hangs."""
     out = str(tmp_path / "run")
@@ -541,13 +576,13 @@ def test_resume_applies_a_new_learning_rate_and_says_so(base, tmp_path):
 def test_a_run_that_died_before_its_first_checkpoint_resumes_afresh(base, capsys, tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "iter_000001.tmp").mkdir(parents=True)  # killed while writing its first checkpoint
-    (out / "checkpoints" / "iter_000000.damaged").mkdir()
+    (out / "checkpoints" / "iter_000000.replaced").mkdir()  # set aside by an earlier --overwrite
     (out / "config.json").write_text("{}")
     (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
     expect_error(capsys, base, "already holds a run; pass --resume to continue it")
     proc = run_train([*base, "--num-iterations", "1", "--resume"])
     assert "holds no complete checkpoint to resume; starting afresh" in proc.stdout
-    assert sorted(os.listdir(out / "checkpoints")) == ["iter_000000.damaged", "iter_000001"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["iter_000000.replaced", "iter_000001"]
 
 
 def test_resume_into_a_missing_folder_writes_nothing(base, capsys, tmp_path):
@@ -703,7 +738,7 @@ def test_a_broken_tracker_package_is_one_line_before_loading(base, tmp_path, cap
 def planted(out):
     """A user's files in every folder a run touches: {path: text}."""
     files = {"NOTES.txt": "n", "samples/mine.txt": "s", "tensorboard/mine.txt": "t", "wandb/mine.txt": "w",
-             "checkpoints/NOTES.txt": "c", "checkpoints/iter_000009.damaged/x": "d"}
+             "checkpoints/NOTES.txt": "c", "checkpoints/iter_000009.replaced/x": "d"}
     for name, text in files.items():
         os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
         with open(os.path.join(out, name), "w") as f:
@@ -731,15 +766,17 @@ def test_no_user_file_is_removed_by_overwrite_resume_or_a_damaged_checkpoint(bas
     still_there(out, files)
     assert "set" in proc.stdout and "iter_000001.replaced" in proc.stdout
     assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("iter_")) == \
-        ["iter_000001", "iter_000001.replaced", "iter_000009.damaged"]  # (the new run's own iter_000001)
+        ["iter_000001", "iter_000001.replaced", "iter_000009.replaced"]  # (the new run's own iter_000001)
     assert open(os.path.join(out, "checkpoints", "iter_000001.replaced", "export.txt")).read() == "e"
-    with open(os.path.join(out, "checkpoints", "iter_000001", "trainer.pt"), "r+b") as f:
-        f.truncate(100)  # its only checkpoint damaged: --resume starts afresh in the folder
+    shutil.rmtree(os.path.join(out, "checkpoints", "iter_000001"))  # a config and no checkpoint: starts afresh
     proc = run_train([*args, "--num-iterations", "1", "--resume"])
     assert "starting afresh" in proc.stdout
     still_there(out, files)
-    shutil.rmtree(os.path.join(out, "checkpoints", "iter_000001"))  # a config and no checkpoint
-    run_train([*args, "--num-iterations", "1", "--resume"])
+    with open(os.path.join(out, "checkpoints", "iter_000001", "trainer.pt"), "r+b") as f:
+        f.truncate(100)  # its only checkpoint damaged: --resume refuses and changes nothing
+    expect_error(capsys, [*args, "--num-iterations", "1", "--resume"], "iter_000001.damaged")
+    still_there(out, files)
+    run_train([*args, "--num-iterations", "1", "--overwrite"])  # starts afresh; the set-aside ones stay
     still_there(out, files)
     run_train([*args, "--num-iterations", "2", "--resume"])  # and a resumed run that writes on
     still_there(out, files)
