@@ -9,9 +9,11 @@ seed) images and its standard error std / sqrt(n), in the paper's units (PickSco
 
 Noise: image (prompt p, seed s) starts from `run.eval_noise_generator(p, s)`, the noise of train.py's held-out
 evaluation. For the tiny model, whose evaluation takes every held-out prompt, `--seeds` equal to the run's last
-evaluation's (`final_eval_seeds`, or `eval_seeds` when 0) reproduces its final `eval/reward/*` on the CPU, for a run
-without --ema-decay (train.py then evaluates the EMA weights; this script loads the trained ones) and up to
+evaluation's (`final_eval_seeds`, or `eval_seeds` when 0) reproduces its final `eval/reward/*` on the CPU, and up to
 precision on a GPU (this script keeps the transformer in bf16, training keeps fp32 master weights).
+
+Weights: a checkpoint of a run trained with --ema-decay holds the trained weights and their EMA, and train.py's
+evaluations score the EMA; so does this script by default, and says so (`--weights trained` scores the others).
 
 Run:
     python evaluate.py --model tiny --checkpoint runs/tiny                # base vs trained, held-out tiny prompts
@@ -20,8 +22,9 @@ Run:
     torchrun --nproc_per_node 8 evaluate.py --checkpoint runs/flux        # prompts sharded over 8 GPUs
 
 Outputs (in --output-dir; default runs/<name>/eval/ of the first checkpoint's run, runs/eval_<model> for the base
-alone): table.md, results.json (settings, means, standard errors, every score), grid.png (the first --grid-prompts
-prompts, one row per model), images/ with --save-images. Training curves: `python -m tools.plot RUN [RUN ...]`.
+alone): table.md, results.json (settings, weights, means, standard errors, every score), grid.png (the first
+--grid-prompts prompts, one row per model), images/ with --save-images. Training curves: `python -m tools.plot RUN
+[RUN ...]`.
 """
 import os
 import signal
@@ -39,8 +42,9 @@ if __name__ == "__main__":  # a Ctrl-C while torch and the models' libraries imp
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 import tyro
@@ -119,6 +123,10 @@ class BaseArgs(TrainFlags):
     """Prompts (seed 0) shown in grid.png, one row per model; 0 = no grid."""
     save_images: bool = False
     """Also save every image as images/<model>/<prompt>_<seed>.png."""
+    weights: Optional[Literal["ema", "trained"]] = None
+    """Which weights of each checkpoint to score: ema, the EMA a run trained with --ema-decay keeps (what its own
+    evaluations scored), or trained, the optimizer's. Default: the EMA where a checkpoint holds one, else the
+    trained weights."""
 
 
 # one flag per reward path (the evaluation's CLIP defaults to -384)
@@ -233,11 +241,61 @@ def check_args(args):
 
 @dataclass
 class Row:
-    """One model of the table: a name, its checkpoint folder (None for the base) and its sampling settings."""
+    """One model of the table: a name, its checkpoint folder (None for the base), its sampling settings, and which
+    of its weights it samples with ("trained", or "ema": its EMA's)."""
     name: str
     checkpoint: Optional[str]
     settings: dict
     config: dict
+    weights: str = "trained"
+
+
+def choose_weights(flag: Optional[str], folder: str, name: str) -> str:
+    """Which weights of checkpoint `folder` to score: --weights when given, else what the run's own evaluations
+    scored (its EMA when it holds one); said in a line whenever the checkpoint holds an EMA. --weights ema for a
+    checkpoint without one, or an EMA that does not match the weights, is refused before any model loads."""
+    from lab import checkpoint
+
+    names = checkpoint.ema_names(folder)
+    if flag == "ema" and names is None:
+        fail(f"--weights ema: checkpoint '{folder}' holds no EMA weights (its run had no --ema-decay); pass --weights "
+             f"trained, or a checkpoint of a run trained with --ema-decay")
+    if names is None:
+        return "trained"
+    problem = ema_problem(folder, names)
+    if problem:
+        fail(f"checkpoint '{folder}': its EMA does not match its weights ({problem}); pass --weights trained to score "
+             f"the trained weights")
+    weights = flag or "ema"
+    print(f"note: {name}: scoring its EMA weights, as the run's own evaluations did (--weights trained scores the "
+          f"trained ones)" if weights == "ema" else
+          f"note: {name}: scoring its trained weights (--weights trained), not the EMA its run's evaluations scored")
+    return weights
+
+
+def lora_key(name: str) -> str:
+    """A LoRA weight's name without its prefix or adapter name, the same in the EMA ("x.lora_A.default.weight"),
+    in the saved file ("transformer.x.lora_A.weight") and loaded ("x.lora_A.checkpoint.weight")."""
+    name = re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", name)
+    return name.removeprefix("transformer.")
+
+
+def ema_problem(folder: str, names: list) -> Optional[str]:
+    """Why the EMA of checkpoint `folder` (its tensor names) cannot stand in for its weights, or None: every EMA
+    tensor must be one of the checkpoint's weights (read from the files' headers, no tensor loaded)."""
+    from safetensors import safe_open
+
+    from lab import checkpoint
+
+    lora_file = os.path.join(folder, checkpoint.LORA_WEIGHTS)
+    if os.path.isfile(lora_file):
+        with safe_open(lora_file, "pt") as f:
+            weights = {lora_key(k) for k in f.keys()}
+        ema = {lora_key(k) for k in names}
+    else:
+        weights, ema = set(checkpoint.weight_names(folder)), set(names)
+    missing = sorted(ema - weights)
+    return f"{len(missing)} of its {len(ema)} tensors are no weight, e.g. '{missing[0]}'" if missing else None
 
 
 def plan_rows(args) -> list[Row]:
@@ -251,7 +309,9 @@ def plan_rows(args) -> list[Row]:
                  f"--model (the run's family is used) or pass a checkpoint of the {args.model} family")
         run_name = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(folder))))
         name = f"{run_name}/{os.path.basename(folder)}"
-        rows.append(Row(name, folder, settings_for(args, config, {}), config))
+        weights = choose_weights(args.weights, folder, name)
+        rows.append(Row(name + (" (EMA)" if weights == "ema" else ""), folder, settings_for(args, config, {}), config,
+                        weights))
     first = rows[0].settings if rows else {}
     if args.base:
         rows.insert(0, Row("base", None, settings_for(args, {}, first), {}))
@@ -317,6 +377,13 @@ class CheckpointWeights:
         self.adapter, self.row, self.dtype, self.full = adapter, row, dtype, None
 
     def __enter__(self):
+        module = self.trained()
+        if self.row.weights == "ema":
+            load_ema(module, self.row.checkpoint)
+        return module
+
+    def trained(self):
+        """The transformer with the checkpoint's trained weights."""
         base, folder = self.adapter.transformer, self.row.checkpoint
         if folder is None:
             return base
@@ -342,6 +409,23 @@ class CheckpointWeights:
         self.full = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def load_ema(module, folder: str):
+    """Put the EMA of checkpoint `folder` in place of the trained weights of `module` (loaded from it), as train.py's
+    held-out evaluation swaps it in: every weight the EMA averages (a LoRA's A and B, or every weight of a full
+    fine-tune); the rest stays."""
+    from lab import checkpoint
+
+    ema = checkpoint.read_ema(folder)
+    lora = os.path.isfile(os.path.join(folder, checkpoint.LORA_WEIGHTS))
+    if lora:  # the adapter is loaded as "checkpoint", trained as "default"
+        ema = {lora_key(k): v for k, v in ema.items()}
+    params = {lora_key(n) if lora else n: p for n, p in module.named_parameters()
+              if not lora or ".lora_" in n and ".checkpoint." in n}
+    for name, tensor in ema.items():
+        params[name].copy_(tensor)
 
 
 # ---------------------------------------------------------------- sampling and scoring
@@ -537,7 +621,7 @@ def combine(row: Row, shares: list, metrics: list[str], total: int) -> dict:
     for m, s in summary.items():
         if s["dropped"]:
             print(f"warning: {row.name}: {s['dropped']} of {total} {m} scores were not finite and are left out")
-    return {"name": row.name, "checkpoint": row.checkpoint, "settings": row.settings,
+    return {"name": row.name, "checkpoint": row.checkpoint, "weights": row.weights, "settings": row.settings,
             "metrics": {m: {k: _json_safe(v) for k, v in s.items()} for m, s in summary.items()},
             "scores": {m: [_json_safe(v) for v in per_item[m]] for m in metrics}}
 

@@ -18,7 +18,8 @@ A run folder, `<output>/`:
         trainer.json           iteration, config, the transformer's config (small: read without torch.load)
         transformer/, ema.safetensors   at the end of the run, exported from dcp/ (`export`)
     checkpoints/iter_000041.tmp/       a checkpoint being written (ignored; replaced by the next save)
-    checkpoints/iter_000042.damaged/   a checkpoint that failed verification, set aside (never deleted)
+    checkpoints/iter_000042.damaged/   a checkpoint that failed verification, set aside (never deleted; a --resume
+                                       that finds no complete checkpoint beside such ones refuses: lab/run.py)
 
 Guarantees:
 1. One run at a time: `lock_output` takes an flock on `.lock` before anything else is written. The kernel drops
@@ -105,13 +106,13 @@ FULL_BYTES = 16 << 20  # a filesystem with less than this free for the user coun
 def _no_space(err, folder) -> bool:
     """Whether `err`, raised while writing into `folder`, means the disk (or a quota, or the file-size limit) is
     full. safetensors and DCP report the OS error inside their own exception, by its message; torch.save's zip
-    writer reports no error at all, only "unexpected pos" (measured on a full tmpfs), so the filesystem is asked."""
+    writer reports no error at all, only "unexpected pos" (measured on a full tmpfs, and at the file-size limit), so
+    the filesystem and the files' sizes are asked."""
     import errno
 
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return False
-    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    if getattr(err, "errno", None) in codes or any(os.strerror(code) in str(err) for code in codes):
+    if _errno_in(err, (errno.ENOSPC, errno.EDQUOT)) or _file_size_limit_met(err, folder):
         return True
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
@@ -121,16 +122,72 @@ def _no_space(err, folder) -> bool:
         return False
 
 
+def _errno_in(err, codes) -> bool:
+    """Whether `err` carries one of the OS error `codes`, as its errno or in its message (safetensors, DCP)."""
+    return getattr(err, "errno", None) in codes or any(os.strerror(code) in str(err) for code in codes)
+
+
+def _file_size_limit_met(err, folder) -> bool:
+    """Whether a write into `folder` failed at the file-size limit: EFBIG in `err`, or a file there that has grown
+    to the limit (torch.save's writer says only "unexpected pos")."""
+    import errno
+
+    return _errno_in(err, (errno.EFBIG,)) or _at_file_size_limit(folder) is not None
+
+
+def _file_size_limit():
+    """This process's limit on the size of a file it writes (`ulimit -f`, RLIMIT_FSIZE) in bytes, or None."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _at_file_size_limit(folder):
+    """The file under `folder` (relative to it) that has grown to the file-size limit, or None: a write past the
+    limit fails with EFBIG, having written up to it (torch.save's writer then reports only "unexpected pos")."""
+    limit = _file_size_limit()
+    if limit is None or not os.path.isdir(folder):
+        return None
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.path.getsize(full) >= limit:
+                    return os.path.relpath(full, folder)
+    return None
+
+
+def _ignore_file_size_signal():
+    """A write past the file-size limit sends SIGXFSZ, whose default action ends the process without a word;
+    ignored, the write fails with EFBIG instead, which a save reports in one line. Python ignores it from its start,
+    but a program embedding it or a library may have restored the default: then it is ignored here (the main thread
+    alone can set a handler)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGXFSZ) == signal.SIG_DFL:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def _removed_if_full(tmp, iteration):
-    """A save that runs out of space removes its partial `tmp` (which would keep the disk full) and says so in one
-    line; the previous checkpoints are untouched (the rename never happened)."""
+    """A save that runs out of space (or into the file-size limit) removes its partial `tmp` (which would keep the
+    disk full) and says so in one line; the previous checkpoints are untouched (the rename never happened)."""
     try:
         yield
     except BaseException as err:  # DCP wraps a rank's OSError in a CheckpointException (a BaseException)
         if not _no_space(err, tmp):
             raise
+        at_limit, limit, full_file = _file_size_limit_met(err, tmp), _file_size_limit(), _at_file_size_limit(tmp)
+        where = f" at its {full_file}" if full_file else ""  # (safetensors removes its partial file itself)
         shutil.rmtree(tmp, ignore_errors=True)
+        if at_limit:  # this process's limit, or the filesystem's largest file (EFBIG without a limit)
+            size, fix = (f"ulimit -f: {limit} bytes", "Raise the limit (ulimit -f unlimited)") if limit is not None \
+                else ("the filesystem's largest file", "Move the run to a filesystem that holds larger files")
+            raise NoSpaceError(f"the file-size limit ({size}) stopped the write of checkpoint {iteration}{where}; its "
+                               f"partial files were removed and the previous checkpoints are intact. {fix}, then run "
+                               f"the same command plus --resume") from None
         raise NoSpaceError(f"no space left on the device (or the file-size limit) while writing checkpoint "
                            f"{iteration}; its partial files were removed and the previous checkpoints are intact. "
                            f"Free some space, then run the same command plus --resume") from None
@@ -207,6 +264,16 @@ def list_checkpoints(output_dir):
         return []
     done = [d for d in os.listdir(folder) if re.fullmatch(r"iter_\d+", d) and os.path.isdir(os.path.join(folder, d))]
     return sorted((os.path.join(folder, d) for d in done), key=_iteration_of_folder)
+
+
+def set_aside_checkpoints(output_dir, label="damaged"):
+    """The checkpoint folders set aside as `iter_N.<label>` (or `.<label>-2`, ...), oldest first."""
+    folder = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    aside = [d for d in os.listdir(folder) if re.fullmatch(rf"iter_\d+\.{re.escape(label)}(-\d+)?", d)
+             and os.path.isdir(os.path.join(folder, d))]
+    return sorted((os.path.join(folder, d) for d in aside), key=lambda p: os.path.basename(p).split(".")[0])
 
 
 def _sha256(path) -> str:
@@ -340,6 +407,62 @@ def latest_checkpoint(output_dir, log=print, set_aside=True):
         else:
             log(f"warning: checkpoint {path} is damaged ({problem}); taking an older one")
     return None
+
+
+def ema_names(path):
+    """The names of the EMA tensors checkpoint `path` holds (a run trained with --ema-decay), or None: its
+    ema.safetensors (a sharded checkpoint's export too), else a sharded checkpoint's "ema." tensors in dcp/."""
+    from safetensors import safe_open
+
+    if os.path.isfile(os.path.join(path, "ema.safetensors")):
+        with safe_open(os.path.join(path, "ema.safetensors"), "pt") as f:
+            return sorted(f.keys())
+    names = [k.removeprefix("ema.") for k in _dcp_tensors(path) if k.startswith("ema.")]
+    return sorted(names) or None
+
+
+def weight_names(path):
+    """The names of the trained weights checkpoint `path` holds: its LoRA's, its transformer/'s, or a sharded
+    checkpoint's "model." tensors in dcp/ (read from the files' headers and metadata, no tensor loaded)."""
+    from safetensors import safe_open
+
+    if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+        files = [LORA_WEIGHTS]
+    elif os.path.isdir(os.path.join(path, "transformer")):  # a full fine-tune (or a sharded one's export)
+        files = [os.path.join("transformer", n) for n in sorted(os.listdir(os.path.join(path, "transformer")))
+                 if n.endswith(".safetensors")]
+    else:  # sharded, not exported
+        return sorted(k.removeprefix("model.") for k in _dcp_tensors(path) if k.startswith("model."))
+    names = []
+    for name in files:
+        with safe_open(os.path.join(path, name), "pt") as f:
+            names += list(f.keys())
+    return sorted(names)
+
+
+def read_ema(path) -> dict:
+    """The EMA tensors of checkpoint `path` ({name: tensor}, on the CPU), from where `ema_names` finds them."""
+    from safetensors.torch import load_file
+
+    if os.path.isfile(os.path.join(path, "ema.safetensors")):
+        return load_file(os.path.join(path, "ema.safetensors"))
+    import torch.distributed.checkpoint as dcp
+
+    stored = _dcp_tensors(path)
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if k.startswith("ema.")}
+    dcp.load(tensors, checkpoint_id=os.path.join(path, DCP), no_dist=True)  # this process alone
+    return {k.removeprefix("ema."): v for k, v in tensors.items()}
+
+
+def _dcp_tensors(path) -> dict:
+    """A sharded checkpoint's stored tensors ({flattened name: metadata}), {} for another checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_sharded(path):
+        return {}
+    metadata = FileSystemReader(os.path.join(path, DCP)).read_metadata().state_dict_metadata
+    return {k: m for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
 
 
 def read_trainer_state(path):
@@ -522,6 +645,7 @@ def save(output_dir, iteration, model, transformer, optimizer, config, lora, pip
     `export_weights`: a sharded checkpoint also gets its transformer/ (the end of a run). All ranks call this."""
     if any(not re.fullmatch(r"[A-Za-z0-9_-]+", name) for name in extra or {}):
         raise ValueError(f"extra state names must be letters, digits, '_' or '-': {sorted(extra)}")
+    _ignore_file_size_signal()  # a write past `ulimit -f` then fails with EFBIG, reported by _removed_if_full
     folder = os.path.join(output_dir, "checkpoints", f"iter_{iteration:06d}")
     if uses_dcp(model, lora):
         return _save_sharded(output_dir, folder, iteration, model, transformer, optimizer, config, keep, extra, log,

@@ -1,8 +1,10 @@
 """Everything around the training loop that is not the method: the output folder, checkpoints and resume, signals,
-fault counting, metrics and trackers, sample grids, EMA weights, and the check that ranks agree.
+fault counting, metrics and trackers, sample grids, EMA weights, the check that ranks agree, and the one line of a
+collective that never completes (a rank stuck or dead).
 
 train.py calls a `Run` at fixed points of its loop; nothing here knows how a rollout or an update works.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -87,8 +89,8 @@ def all_max(n, distributed: bool):
 
 
 class Ranks:
-    """The run's ranks as a method sees them (methods/__init__.py): the count, and the three collectives an update
-    or an advantage may need."""
+    """The run's ranks as a method sees them (methods/base.py's UpdateContext.ranks): the count, and the three
+    collectives an update or an advantage may need."""
 
     def __init__(self, world: int, distributed: bool):
         self.world, self.distributed = world, distributed
@@ -118,9 +120,10 @@ def full_tensor(p):
 
 class EMA(FrozenCopy):
     """Exponential moving average of the trained parameters: ema <- decay * ema + (1 - decay) * param, at every
-    `every`-th iteration that took an optimizer step (train.py skips it after a skipped update: averaging in weights
-    that did not move would only pull the average back toward them). Used for the held-out evaluation (`swap`) and
-    saved beside the weights: a `methods.base.FrozenCopy` of them, moved by a fixed decay."""
+    `every`-th iteration that took an optimizer step (lab/loop.py's Harness.update moves it, and skips it after a
+    skipped update: averaging in weights that did not move would only pull the average back toward them). Used for
+    the held-out evaluation (`swap`) and saved beside the weights: a `methods.base.FrozenCopy` of them, moved by a
+    fixed decay."""
 
     def __init__(self, named_params, decay: float, every: int):
         super().__init__(named_params)
@@ -168,6 +171,70 @@ def checked(check_stop, fn):
         return fn(*args)
 
     return call
+
+
+# ---- collectives that never complete: a rank stuck (its collective not reached within --dist-timeout-minutes) or
+# dead (its connections closed). gloo raises a RuntimeError with one of these messages (measured on torch 2.14:
+# "... Timed out waiting 3000ms for recv operation to complete", "... Connection closed by peer [127.0.0.1]:59595.
+# This is typically caused by a remote worker crashing ..."); NCCL's watchdog and the rendezvous store say the others
+TIMED_OUT = re.compile(r"Timed out waiting|collective operation timeout|Timed out after \d+ seconds")
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer")
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """"timeout" when `err` is a collective that timed out, "gone" when one whose peer closed its connection (a rank
+    that exited), else None. The exceptions it was raised from or during count too, and a rank's that
+    torch.distributed.checkpoint gathered into its CheckpointException (`failures`: {rank: (exception, trace)})."""
+    if isinstance(err, (SystemExit, KeyboardInterrupt)):  # an exit already decided, or the user's Ctrl-C
+        return None
+    seen, stack, found = set(), [err], None
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        if isinstance(e, RuntimeError):  # torch's DistBackendError and DistStoreError are RuntimeErrors
+            if TIMED_OUT.search(str(e)):
+                return "timeout"
+            found = found or ("gone" if PEER_GONE.search(str(e)) else None)
+        failures = getattr(e, "failures", None) if type(e).__name__ == "CheckpointException" else None
+        stack += [e.__cause__, None if e.__suppress_context__ else e.__context__,
+                  *(f[0] if isinstance(f, tuple) else f for f in (failures or {}).values())]
+    return found
+
+
+def collective_failure_line(kind: str, output_dir: str, timeout_minutes: float) -> str:
+    """The one line that says a collective never completed, why that happens, and where the run can resume."""
+    newest = checkpoint.list_checkpoints(output_dir)
+    where = (f"the last checkpoint is {newest[-1]}: once the cause is fixed, run the same command plus --resume"
+             if newest else "no checkpoint was written yet: a rerun starts afresh")
+    if kind == "timeout":
+        return (f"a collective among the ranks timed out after --dist-timeout-minutes {timeout_minutes:g}: a rank is "
+                f"stuck or dead (its own lines may say which); {where} (a rank that is only slow, in a long load or "
+                f"evaluation, needs a larger --dist-timeout-minutes)")
+    return (f"a collective lost its connection to another rank, which exited (it died, was killed, or timed out "
+            f"waiting for this one; its own lines may say why): a rank is stuck or dead; {where}")
+
+
+@contextlib.contextmanager
+def collective_failures(args):
+    """Under torchrun, a collective that never completes (a rank stuck or dead) ends the run with one `error:` line
+    from rank 0, naming --dist-timeout-minutes and the last checkpoint, and exit status 1 on every rank, instead of
+    each rank's gloo traceback. In one process, and for any other exception, it changes nothing. train.py runs its
+    `main` inside it (after main's own teardown: the lock released, the process group destroyed)."""
+    try:
+        yield
+    except BaseException as err:
+        kind = collective_failure(err) if int(os.environ.get("RANK", -1)) != -1 else None
+        if kind is None:
+            raise
+        if int(os.environ["RANK"]) == 0:
+            print(f"error: {collective_failure_line(kind, args.output_dir, args.dist_timeout_minutes)}",
+                  file=sys.stderr, flush=True)
+        if dist.is_initialized():  # a process group left with a collective in flight aborts Python's shutdown
+            sys.stdout.flush()
+            os._exit(1)
+        raise SystemExit(1) from None
 
 
 WANDB_ID = "wandb_run_id.txt"  # the wandb run's id, kept in the run folder so that --resume continues that run
@@ -234,6 +301,7 @@ class Run:
             fail(f"--output-dir '{self.out}' is not writable ({err.strerror}); choose another folder")
         resume_from = checkpoint.latest_checkpoint(self.out, log=self.log) if args.resume else None
         if args.resume and resume_from is None:  # e.g. a run that died before its first checkpoint
+            self._refuse_a_damaged_run()
             self.log(f"note: '{self.out}' holds no complete checkpoint to resume; starting afresh in it")
         if resume_from:
             defaults = {f.name: f.default for f in dataclasses.fields(self.args)
@@ -252,6 +320,18 @@ class Run:
             fail(f"--output-dir '{self.out}' holds {', '.join(foreign)}, which a new run would replace; "
                  f"pass --overwrite to replace them, or choose another folder")
         return resume_from
+
+    def _refuse_a_damaged_run(self):
+        """--resume found no complete checkpoint: a folder whose checkpoints are all damaged (set aside now or by an
+        earlier --resume) held a trained run, whose metrics and samples starting afresh would replace, so that is
+        refused, and only --overwrite starts afresh; a folder that never held a checkpoint (a run that died before
+        its first) starts afresh."""
+        damaged = [os.path.basename(p) for p in checkpoint.set_aside_checkpoints(self.out, "damaged")]
+        if damaged:
+            fail(f"--resume found no complete checkpoint in '{self.out}': every checkpoint of its run is damaged and "
+                 f"set aside ({', '.join(damaged)}, in checkpoints/), and nothing else was changed; pass --overwrite "
+                 f"instead of --resume to start afresh (the set-aside checkpoints stay), or put a good checkpoint back "
+                 f"as checkpoints/iter_N")
 
     def _check_wandb_id(self):
         """Before a wandb run resumes (before any model loads): its id file holds an id, or is missing (then a new

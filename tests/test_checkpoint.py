@@ -391,11 +391,14 @@ def test_sharded_checkpoints_verify_fall_back_and_load(tmp_path, sharded, damage
     assert all(torch.equal(v.to_local(), saved_ema[k]) for k, v in ema.items())
 
 
-def test_a_save_that_runs_out_of_space_removes_its_partial_files(tmp_path):
-    """A real write failure: the process's file-size limit (RLIMIT_FSIZE) makes the second save fail midway, as a
-    full disk would; its .tmp is removed, one line says so, and the first checkpoint stays the newest good one."""
+def test_a_save_at_the_file_size_limit_removes_its_partial_files(tmp_path):
+    """A real write failure: the process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) makes a save fail midway,
+    in the safetensors weights (checkpoint 2: the OS error, EFBIG, in its message) or in torch.save's trainer.pt
+    (checkpoint 3: its writer reports only "unexpected pos"), with SIGXFSZ at its default, which would end the
+    process unless the save ignores it. Each time the .tmp is removed, one line names the limit, and the first
+    checkpoint stays the newest good one."""
     script = textwrap.dedent(f"""
-        import resource, signal, sys, torch
+        import os, resource, signal, sys, torch
         sys.path.insert(0, {ROOT!r})
         from lab import checkpoint
         from diffusers import FluxTransformer2DModel
@@ -403,16 +406,26 @@ def test_a_save_that_runs_out_of_space_removes_its_partial_files(tmp_path):
                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                        pooled_projection_dim=16, axes_dims_rope=[2, 2, 4])
         optimizer = torch.optim.AdamW(model.parameters())
-        checkpoint.save({str(tmp_path)!r}, 1, model, model, optimizer, {{}}, False, None, log=print)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
-        try:
-            checkpoint.save({str(tmp_path)!r}, 2, model, model, optimizer, {{}}, False, None, log=print)
-        except checkpoint.NoSpaceError as err:
-            print("refused:", err)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # AdamW's two moments: trainer.pt is about twice the weights
+        first = checkpoint.save({str(tmp_path)!r}, 1, model, model, optimizer, {{}}, False, None, log=print)
+        weights = os.path.getsize(os.path.join(first, {WEIGHTS!r}))
+        trainer = os.path.getsize(os.path.join(first, "trainer.pt"))
+        assert weights < trainer, (weights, trainer)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as a program embedding Python may leave it
+        for iteration, limit in [(2, weights // 2), (3, (weights + trainer) // 2)]:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            try:
+                checkpoint.save({str(tmp_path)!r}, iteration, model, model, optimizer, {{}}, False, None, log=print)
+            except checkpoint.NoSpaceError as err:
+                print("refused:", err)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "refused: no space left" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]  # (SIGXFSZ would have ended it with -25)
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused: ")]
+    assert len(refused) == 2 and all("the file-size limit (ulimit -f: " in line for line in refused), proc.stdout
+    assert "checkpoint 2;" in refused[0] and "checkpoint 3 at its trainer.pt;" in refused[1], refused
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000001"]
     assert checkpoint.latest_checkpoint(str(tmp_path), log=pytest.fail).endswith("iter_000001")
 
