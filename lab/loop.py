@@ -97,6 +97,7 @@ class Harness:
         B, J, K, G = rollout.final_latents.shape[:4]
         scores = self.score(rollout.final_latents.flatten(0, 3), [p for p in prompts for _ in range(J * K * G)])
         scores = scores.view(B, J, K, G, -1)  # (B, J, K, G, R)
+        self.warn_if_constant(scores)
         self.metrics = {}
         for r, name in enumerate(self.reward_models.fns):
             self.metrics[f"train/reward/{name}"] = float(scores[..., r].mean())
@@ -107,6 +108,18 @@ class Harness:
             self.metrics.update({f"train/anchor_reward/{name}": float(anchor[:, r].mean())
                                  for r, name in enumerate(self.reward_models.fns)})
         return scores
+
+    def warn_if_constant(self, scores):
+        """A reward that gives every member of every group of this rank the same score gives every advantage 0, so
+        it trains nothing: said once a reward (e.g. prompts the tiny world's reward cannot read score 0 alike)."""
+        spread = scores.amax(3) - scores.amin(3)  # (B, J, K, R): each group's range
+        for r, name in enumerate(self.reward_models.fns):
+            if bool(torch.isfinite(spread[..., r]).all()) and not bool(spread[..., r].any()) and \
+                    ("constant", name) not in self.notes:
+                self.notes.add(("constant", name))
+                value = float(scores[0, ..., r].max())
+                self.run.log(f"\nwarning: every group's rewards under {name} are equal ({value:g}) in this iteration, so "
+                             f"its advantages are 0 and it trains nothing; check that {name} can score these prompts")
 
     # ---- 5. the update, and what follows it ----
     def update(self, method, it, cond, rollout, advantages, scores, generators):

@@ -403,6 +403,16 @@ def test_a_faulty_last_iteration_is_saved_and_the_run_is_complete(base, tmp_path
     assert [json.loads(l) for l in open(out / "metrics.jsonl")] == rows  # nothing replaced
 
 
+def test_rewards_equal_in_every_group_are_said_once(base, tmp_path):
+    """Prompts the tiny world's reward cannot read (no colour or shape it knows) score 0 for every image: every
+    advantage is 0, so nothing trains; one warning names the reward."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n\u732b\n")
+    out = run_train([*override(base, ["--prompt-file", str(prompts)]), "--num-iterations", "2", "--eval-every",
+                     "100"]).stdout
+    assert out.count("every group's rewards under shapes are equal (0)") == 1, out
+
+
 def test_a_failing_rank_stops_every_rank(flux_path, tmp_path):
     """SIGKILL one of two torchrun ranks mid-run: the whole job exits with an error, no rank hangs."""
     out = str(tmp_path / "run")
