@@ -408,7 +408,7 @@ def test_rewards_equal_in_every_group_are_said_once(base, tmp_path):
     advantage is 0, so nothing trains; one warning names the reward."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n\u732b\n")
-    out = run_train([*override(base, ["--prompt-file", str(prompts)]), "--num-iterations", "2", "--eval-every",
+    out = run_train([*override(base, ["--prompt-file", str(prompts)]), "--num-iterations", "1", "--eval-every",
                      "100"]).stdout
     assert out.count("every group's rewards under shapes are equal (0)") == 1, out
 
