@@ -336,7 +336,9 @@ def test_second_sigterm_during_a_two_rank_save_exits_130_quietly(flux_path, tmp_
     pytest.fail("in 3 attempts both ranks had left before their second signal")
 
 
-def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys):
+def nan_after_iteration_1(monkeypatch):
+    """The tiny world's reward, NaN on the training prompts from iteration 2 on (with --reward-batch-size 1000, an
+    iteration scores its training prompts in two calls: its rollout's and its anchors')."""
     import rewards
     from lab import tiny
 
@@ -348,12 +350,16 @@ def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys)
             scores = tiny.shape_reward(images, prompts)
             if prompts[0] in train_prompts:
                 calls["train"] += 1
-                if calls["train"] > 2:  # iteration 1 is fine (rollout + anchor calls); then NaN
+                if calls["train"] > 2:
                     scores[0] = float("nan")
             return scores
         return rewards._batched(fn, batch_size)
 
     monkeypatch.setitem(rewards.REWARDS, "shapes", rewards.Reward(flaky, {}))
+
+
+def test_nan_rewards_skip_updates_then_stop(base, tmp_path, monkeypatch, capsys):
+    nan_after_iteration_1(monkeypatch)
     out = tmp_path / "run"
     args = [*base, "--num-iterations", "10", "--checkpoint-every", "1", "--eval-every", "100", "--max-faults", "3",
             "--reward-batch-size", "1000"]
@@ -372,23 +378,9 @@ def test_a_faulty_last_iteration_is_saved_and_the_run_is_complete(base, tmp_path
     """The rewards turn NaN in the last iteration, after no periodic checkpoint: its update is skipped, so its
     weights are the last step's, finite, and they are saved as the run's last checkpoint (before, nothing was, and a
     --resume started afresh over the run's metrics)."""
-    import rewards
-    from lab import checkpoint, tiny
+    from lab import checkpoint
 
-    train_prompts = set(open(PROMPTS).read().split("\n"))
-    calls = {"train": 0}
-
-    def last_nan(device, dtype, batch_size, paths):
-        def fn(images, prompts):
-            scores = tiny.shape_reward(images, prompts)
-            if prompts[0] in train_prompts:
-                calls["train"] += 1
-                if calls["train"] > 2:  # iteration 1: its rollout's and its anchors' calls; iteration 2: NaN
-                    scores[0] = float("nan")
-            return scores
-        return rewards._batched(fn, batch_size)
-
-    monkeypatch.setitem(rewards.REWARDS, "shapes", rewards.Reward(last_nan, {}))
+    nan_after_iteration_1(monkeypatch)
     out = tmp_path / "run"
     args = [*base, "--num-iterations", "2", "--checkpoint-every", "100", "--eval-every", "100",
             "--reward-batch-size", "1000"]
