@@ -1,18 +1,24 @@
 """tools/bench.py --quick runs every part and its numbers are consistent; part 3's statistics on hand-made numbers,
-its rows and their iterations.
+its rows and their iterations at either budget, its refusals, its stop on a signal; the figures tools/plot.py draws
+from a bench folder, and the colours of its run curves.
 
 Run: python -m pytest -q tests/test_bench.py
 """
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from lab import tiny
-from conftest import run_train
-from tools import bench
+from conftest import ROOT, run_train
+from test_evaluate import run_main
+from tools import bench, plot
 
 
 def test_bench_quick(tiny_cache, tmp_path, capsys):
@@ -145,6 +151,10 @@ def test_a_stopped_run_is_never_reported(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 5, "perf/n')  # cut short
     assert not bench._finished(argv, str(tmp_path))
+    # a damaged line in the middle, the last one whole: unfinished too (it ran again), never a JSONDecodeError
+    lines = [json.dumps(r) for r in rows] + ["{damaged", json.dumps({"iteration": 4})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert not bench._finished(argv, str(tmp_path)) and bench._read_curve(str(tmp_path)) == []
     (tmp_path / "bench_run.json").write_text("{not json")
     assert not bench._finished(argv, str(tmp_path))
 
@@ -154,6 +164,8 @@ def test_the_bench_checks_its_own_flags(tmp_path, capsys):
     a_file.write_text("")
     for args, words in [(bench.Args(parts=(4,)), "--parts"), (bench.Args(seeds=0), "--seeds 0"),
                         (bench.Args(jobs=-1), "--jobs -1"), (bench.Args(budget_nfe=1), "--budget-nfe 1"),
+                        (bench.Args(budget="flops"), "--budget flops"),
+                        (bench.Args(budget_forwards=9000), "add --budget total-forwards"),
                         (bench.Args(output_dir=str(a_file)), "is a file")]:
         with pytest.raises(SystemExit) as exit_info:
             bench.main(args)
@@ -163,3 +175,161 @@ def test_the_bench_checks_its_own_flags(tmp_path, capsys):
     assert parsed.extra == ("--max-batch", "64") and parsed.seeds == 2
     parsed = bench.parse(["--extra", "--lr", "0", "--seeds", "2", "--extra=--max-batch", "64"])  # repeated: joined
     assert parsed.extra == ("--lr", "0", "--max-batch", "64") and parsed.seeds == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--methods", "G2RPO {1,2,3}", "--extra", "--method", "awm"], "--extra --method: the bench sets it on every run; "
+                                                                    "choose the rows with the bench's --methods"),
+    (["--extra", "--seed", "7", "--num-iterations", "50"], "--extra --seed: the bench sets it on every run; use the "
+                                                            "bench's --seeds"),
+    (["--extra", "--num_iterations=50"], "the bench's --budget-nfe"),
+    (["--extra", "--eval-every", "3"], "--extra --eval-every: the bench sets it"),
+    (["--extra", "--no-overwrite"], "--extra --no-overwrite: the bench sets it"),
+    (["--methods", "G2RPO {1}", "--extra", "--granularities", "2"], "the row 'G2RPO {1}' sets it itself"),
+    (["--extra", "--step-credit", "mean"], "the row 'control: step credit destroyed' sets it itself"),
+    (["--methods", "bogus"], "--methods 'bogus': no such row"),
+    (["--extra", "--bogus", "1"], "unknown flag --bogus"),  # train.py's own refusal, before anything runs
+])
+def test_the_bench_refuses_what_it_sets_itself(argv, words, tmp_path, capsys):
+    """An --extra flag the bench sets on its runs (a row's own among them) and an unknown row are refused in one line
+    before anything runs or any folder is made: they were overridden, ran another method, or stopped the bench
+    after parts 1 and 2."""
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(bench.parse([*argv, "--output-dir", str(out)]))
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and words in printed.err and printed.err.count("\n") == 1, printed.err
+    assert printed.out == "" and not out.exists()
+
+
+def test_the_bench_takes_the_extra_flags_it_does_not_set():
+    # lr: no running row sets it (no learning's row never runs: the base model's evaluation stands for it)
+    bench.check(bench.parse(["--extra", "--lr", "3e-4", "--max-batch", "64"]))
+    bench.check(bench.parse(["--methods", "G2RPO {1,2,3}", "--extra", "--granularities", "1", "2"]))
+
+
+def test_a_killed_run_is_reported_by_its_signal(tmp_path, monkeypatch):
+    """A run the OOM killer ends (SIGKILL) is reported by its signal, not by its last progress bars."""
+    monkeypatch.setattr(bench, "_train_command", lambda argv: [
+        sys.executable, "-c", "import os, signal, sys; sys.stderr.write('50%|#####  | 4/8'); "
+                              "os.kill(os.getpid(), signal.SIGKILL)"])
+    run = ("G2RPO {1,2,3}", 0, ["--model", "tiny", "--num-iterations", "2", "--output-dir", str(tmp_path)],
+           str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        bench._run_all([run], jobs=1)
+    message = str(exit_info.value.code)
+    assert message.startswith("error: G2RPO {1,2,3} seed 0 was killed by signal 9 (SIGKILL: out of memory?)")
+    assert "\n" not in message and "4/8" not in message
+
+
+def test_a_signal_stops_the_bench(tiny_cache, tmp_path):
+    """Ctrl-C (SIGINT to the bench's process group, as a terminal sends it) with a run in flight and one queued: the
+    run in flight stops on its own signal, the queued one never starts, one line says what is kept and how to go
+    on, and the bench exits 130 (no KeyboardInterrupt traceback)."""
+    cmd = [sys.executable, "-m", "tools.bench", "--parts", "3", "--jobs", "1", "--seeds", "2", "--budget-nfe", "4096",
+           "--eval-seeds", "1", "--final-eval-seeds", "1", "--prompts-per-iteration", "2", "--methods", bench.G2RPO_ROW,
+           "--tiny-cache", tiny_cache, "--output-dir", str(tmp_path), "--extra", "--group-size", "4",
+           "--eval-prompts", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    first = tmp_path / "G2RPO__1_2_3_s0"
+    started = time.time()
+    while not (first / "metrics.jsonl").exists() and proc.poll() is None and time.time() - started < 300:
+        time.sleep(0.1)  # the first run is training (its signals are its own from here)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert stderr.startswith("stopped by SIGINT: 0 of 2 runs are finished") and stderr.count("\n") == 1, stderr
+    assert "1 stopped in flight, 1 not started); rerun the same command" in stderr
+    assert sorted(os.listdir(tmp_path)) == [first.name]  # the queued run never started
+
+
+def test_what_quick_sets_and_what_the_runs_spend():
+    """--quick says which flags it replaces, and the header says what the runs spend: every row at its floor of 2
+    iterations, G2RPO's 2 x 232 NFE, above the 128 of the budget."""
+    args = bench.Args(quick=True, seeds=5, jobs=8)
+    said = bench.apply_quick(args)
+    assert "--seeds 2" in said and "--jobs 0" in said and "--budget-nfe 128" in said and args.seeds == 2
+    header = bench.part3_header(args, bench.row_plan(args))
+    assert "128 rollout NFE each; the runs spend 128 to 464" in header
+
+
+def test_the_total_forwards_budget():
+    """--budget total-forwards gives every row the iterations of the same rollout NFE + 3 x update forwards; by
+    default G2RPO's total at --budget-nfe (so G2RPO's runs train as at the rollout budget), in folders of their own."""
+    small = dict(budget_nfe=3000, seeds=1, prompts_per_iteration=2, extra=("--group-size", "4"),
+                 methods=("full SDE, same M",))
+    rows, budget = bench.row_plan(bench.Args(budget="total-forwards", **small))
+    # G2RPO: 232 rollout NFE and 8 update forwards an iteration (a start latent a prompt and trained step), 12
+    # iterations at 3,000 NFE; full SDE: 64 and 32 (a start latent a member), 160 in all
+    assert budget == 12 * (232 + 3 * 8) and rows == {bench.G2RPO_ROW: (12, 232, 8), "full SDE, same M": (19, 64, 32)}
+    runs = bench.bench_runs(bench.Args(budget="total-forwards", **small))
+    same = bench.bench_runs(bench.Args(**small))
+    assert [os.path.basename(out) for *_, out in runs] == ["forwards_G2RPO__1_2_3_s0", "forwards_full_SDE__same_M_s0"]
+    assert runs[0][2][:-1] == same[0][2][:-1]  # G2RPO: the same run at either budget, but its folder
+    given = bench.row_plan(bench.Args(budget="total-forwards", budget_forwards=10_000, **small))
+    assert given[1] == 10_000 and given[0]["full SDE, same M"][0] == 10_000 // 160
+    # at the tiny defaults, 80,000 rollout NFE: update forwards differ by two orders of magnitude between methods
+    rows, budget = bench.row_plan(bench.Args(budget="total-forwards", methods=("DiffusionNFT", "AWM")))
+    assert budget == 89 * (896 + 3 * 16) == 84_016
+    spent = {name: (iters, iters * update) for name, (iters, nfe, update) in
+             bench.row_plan(bench.Args(methods=("DiffusionNFT", "AWM")))[0].items()}
+    assert spent == {bench.G2RPO_ROW: (89, 1424), "DiffusionNFT": (312, 209_664), "AWM": (312, 179_712)}
+    assert {name: iters for name, (iters, _, _) in rows.items()} == {
+        bench.G2RPO_ROW: 89, "DiffusionNFT": 84_016 // (256 + 3 * 672), "AWM": 84_016 // (256 + 3 * 576)}
+
+
+def _hand_made_curves(seeds=2):
+    """Part 3's curves for the default rows, as part3 builds them: each run's (NFE, wall s, success, reward, s.e.,
+    update forwards) at its evaluations, from the base model's."""
+    base = (0, 0.0, 0.40, 0.55, 0.02, 0)
+    curves = {}
+    for k, name in enumerate(bench.chosen_rows(bench.Args())):
+        curves[name] = [[base, *[(nfe, nfe / 100, 0.40 + 0.02 * step * (k + seed + 1), 0.55 + 0.005 * step * (k - seed),
+                                  0.02, 16 * step) for step, nfe in enumerate((896, 1792, 2688), 1)]]
+                        for seed in range(seeds)]
+    curves[bench.NO_LEARNING] = [[base]] * seeds
+    return curves
+
+
+def test_one_seed_judges_no_control(capsys):
+    """At --seeds 1 no gap has an interval: the controls are said to be unjudged, never failed."""
+    bench.report(_hand_made_curves(seeds=1), bench.Args(seeds=1))
+    printed = capsys.readouterr().out
+    assert "FAILS" not in printed and "control: no learning (lr 0): cannot be judged at 1 training seed" in printed
+    assert "| n/a |" in printed and "(above the 0.05 target)" not in printed
+
+
+def test_the_bench_figures(tmp_path, capsys):
+    """The table's total forwards (rollout + 3 x update), then tools/plot.py's forest plot and learning curves from a
+    bench folder holding both budgets' results, as part 3 writes them."""
+    curves = _hand_made_curves()
+    for budget, total in (("rollout-nfe", 2688), ("total-forwards", 2688 + 3 * 48)):
+        args = bench.Args(budget=budget, seeds=2, output_dir=str(tmp_path))
+        table = bench.report(curves, args)
+        assert table["G2RPO {1}"]["total_forwards"] == 2688 + 3 * 48
+        bench.write_results(curves, table, args, total)
+    assert "| total forwards |" in capsys.readouterr().out
+    code, stdout, stderr = run_main([str(tmp_path)], plot.main)
+    assert code in (0, None), stderr
+    for name in ("gaps_to_g2rpo", "learning_curves", "learning_curves_total_forwards"):
+        path = tmp_path / f"{name}.png"
+        assert f"wrote {path}" in stdout and path.stat().st_size > 10_000
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_curve_is_drawn_in_the_watch_red(tmp_path):
+    """tools/plot.py keeps red for the evaluations where the reward-hacking watch fired: ten curves, none red."""
+    run = tmp_path / "run"
+    run.mkdir()
+    names = [f"r{i}" for i in range(5)]
+    rows = [{"iteration": i, "perf/nfe": 10, **{f"train/reward/{n}": 0.1 * i for n in names},
+             **{f"eval/reward/{n}": 0.1 * i for n in names}, "watch/fired": i == 2} for i in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib.colors
+
+    red = {matplotlib.colors.to_rgb(c) for c in ("red", "tab:red")}
+    fig = plot.draw_runs([str(run)])
+    lines = [line for axis in fig.axes for line in axis.get_lines()]
+    assert len(lines) == 2 * 10 + 1  # ten curves in each panel, and the watch's line
+    assert [matplotlib.colors.to_rgb(line.get_color()) in red for line in lines].count(True) == 1
