@@ -12,6 +12,8 @@ keeps the noise of x_next at exactly sigma_next: from x0_hat = x - sigma v and e
     mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat,      std = sigma_next sin(eta pi / 2)
 and, as its authors score it, log p = -|x_next - mean|^2 (averaged): the Gaussian's without its constant and its
 1 / (2 std^2), so a ratio of two CPS log-probs is on another scale than the flow step's (hence its own clip range).
+Its KL term to the base model drops the 1 / (2 std^2) too, mean |mean - mean_ref|^2, as the CPS authors' main
+scripts do since their commit 814c359 (`cps_kl`; their train_sd3_fast.py keeps the Gaussian KL, `gaussian=True`).
 
 G2RPO rollout for one prompt (paper Sec. 3.2-3.3):
   1. one initial noise x_T shared by the G group members;
@@ -151,13 +153,20 @@ def sde_kl(velocity, base_velocity, sigmas, i, std_dev):
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 
-def cps_kl(velocity, base_velocity, sigmas, i, eta):
-    """KL(policy step || base model step) of the CPS step, per sample (batch,): the same std, and means that differ
-    through the velocity alone (`cps_mean_std` is linear in (x, v), so mean(x, v) - mean(x, v_base) = mean(0, v -
-    v_base)): KL = |mean gap|^2 / (2 std^2); the step into sigma 0 has no noise, and no KL is taken there (0)."""
+def cps_kl(velocity, base_velocity, sigmas, i, eta, gaussian=False):
+    """The CPS step's KL term to the base model's step, per sample (batch,). The two steps share their std and their
+    means differ through the velocity alone (`cps_mean_std` is linear in (x, v), so mean(x, v) - mean(x, v_base) =
+    mean(0, v - v_base)), and the term is, averaged over the latent,
+        mean |mean gap|^2                    (default: the CPS authors' train_sd3.py and train_flux.py since their
+                                              commit 814c359, which dropped the 1 / (2 std^2) with the log-prob's)
+        mean |mean gap|^2 / (2 std^2)        (gaussian=True: the Gaussian KL, as their train_sd3_fast.py still has it)
+    The step into sigma 0 has no noise, and no KL is taken there (0)."""
     gap = velocity.float() - base_velocity.float()
     mean_gap, std = cps_mean_std(torch.zeros_like(gap), gap, sigmas, i, eta)
-    kl = mean_gap**2 / (2 * std**2) if std > 0 else torch.zeros_like(mean_gap)
+    if std == 0:
+        return torch.zeros(gap.shape[0], device=gap.device)
+    # KL = |mu - mu_ref|^2, on the scale of the CPS log-prob -|x' - mu|^2 (or / (2 std^2), the Gaussian's)
+    kl = mean_gap**2 / (2 * std**2) if gaussian else mean_gap**2
     return kl.mean(dim=tuple(range(1, kl.ndim)))  # (batch,)
 
 

@@ -7,9 +7,9 @@ the model's own settings), over which every method starts from the default metho
 `VALUES`) and `--method` lays its own (the `recipe` and `presets` at the top of its file); every other flag
 overrides them all, and --show-config prints where each value came from. `check_flags`
 checks every flag before anything is loaded or written (each numeric TrainArgs flag has its range in `RULES`, a
-method's own in its `problem`) and prints the notes that need no model; `warn_long_prompts` is the one warning that
-needs the tokenizer. `resume_keys(method)` are those a resumed run must share with its checkpoint: `RESUME_FLAGS`
-and the method's own.
+method's own in its `problem`, after one rule for all: its float flags are finite, `non_finite_problem`) and prints
+the notes that need no model; `warn_long_prompts` is the one warning that needs the tokenizer. `resume_keys(method)`
+are those a resumed run must share with its checkpoint: `RESUME_FLAGS` and the method's own.
 """
 import ast
 import dataclasses
@@ -830,6 +830,22 @@ def reward_frames_problem(model: str, num_frames: int, reward_frames: int, name:
     return None
 
 
+def non_finite_problem(args) -> str | None:
+    """The first float flag of the method's own (or float in a list flag of its own) that is not finite (nan, inf),
+    in one line, or None: one rule for every method, before its `problem`, whose comparisons (x < 0) nan passes. A
+    flag the method names in its `non_finite` may be so."""
+    cls = METHODS[args.method]
+    for name in own_flags(args.method):
+        value = getattr(args, name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if name not in cls.non_finite and any(isinstance(v, float) and not isfinite(v) for v in values):
+            own = cls.__dataclass_fields__[name]
+            default = method_defaults(args.model, args.method, getattr(args, "sde_type", None)).get(
+                name, own.default_factory() if own.default is dataclasses.MISSING else own.default)
+            return f"{flag(name)} {_spelled(value)}: must be a finite number (the default: {_spelled(default)})"
+    return None
+
+
 def check_flags(args, world: int, log=print):
     """Every check of the flags themselves (no file is read). Returns the reward weights."""
     def refuse(message):
@@ -839,7 +855,7 @@ def check_flags(args, world: int, log=print):
         if f.name in RULES and not RULES[f.name][0](getattr(args, f.name)):
             refuse(f"{flag(f.name)} {getattr(args, f.name)}: must be {RULES[f.name][1]}")
     method = method_of(args)
-    problem = method.problem(args.num_steps)
+    problem = non_finite_problem(args) or method.problem(args.num_steps)
     if problem:  # (a run's flag the method reads, such as --sde-steps, is named as it is)
         refuse(problem if problem.startswith("--sde-steps") else f"--method {args.method}: {problem}")
     if args.step_credit != "own" and not method.per_step_advantages:

@@ -43,9 +43,9 @@ Differences from the authors' code:
      steps (held-out evaluation then samples the same images for every method), and its 6 bins of the first 90 %
      without sigma 1 are the steps 1 to 6 each.
   3. The authors add the EMA term only where k > 0; here it is on wherever e > 0 (the same at their configs).
-  4. s counts the optimizer steps the schedule has asked for, (iteration + 1) x --member-chunks x --inner-epochs
-     (a step skipped for a non-finite gradient counts too); the first 2 epochs, which the authors' script skips,
-     train here.
+  4. s counts the optimizer steps the updates have asked for, a step skipped for a non-finite gradient too; the
+     count is state (`StepCount`), so --inner-epochs or --member-chunks changed on --resume changes only the steps
+     from then on; the first 2 epochs, which the authors' script skips, train here.
   5. The random draws come from this project's per-prompt generators; a micro-batch is consecutive members of one
      group (theirs: shuffled images); fp32 on CPU, bf16 autocast on GPU, no GradScaler (theirs: fp16).
 Differences from the paper: the paper's loss is the advantage-weighted matching loss with the uniform weighting; the
@@ -70,9 +70,9 @@ from typing import Literal
 import torch
 
 from g2rpo import clipped_loss
-from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, check_timesteps, flow_matching_check_loss,
-                          forward_process, global_std_advantages, ode_rollout, optimizer_step, per_member_noise,
-                          ratio_stats, training_timesteps, update_stats)
+from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, StepCount, check_timesteps,
+                          flow_matching_check_loss, forward_process, global_std_advantages, ode_rollout, optimizer_step,
+                          per_member_noise, ratio_stats, training_timesteps, update_stats)
 
 WEIGHTINGS = ("ghuber", "uniform", "t", "t2", "huber")  # --awm-weighting
 # -----------------------------------------------------------------------------------------------------------------
@@ -190,16 +190,18 @@ class AWM(Method):
     # ---- the EMA anchor, held as state ----
     def __post_init__(self):
         self.ema = FrozenCopy([])  # no weights until `start`
+        self.steps = StepCount()  # s, the optimizer steps so far, which the decay is keyed on
 
     def start(self, trained):
         self.ema = FrozenCopy(trained)
 
     def state_dict(self):
-        return {"ema_anchor": self.ema.copies}
+        return {"ema_anchor": self.ema.copies, "ema_anchor_steps": self.steps.state_dict()}
 
     def load_state_dict(self, state):
         if "ema_anchor" in state:
             self.ema.load(state["ema_anchor"])
+        self.steps.load_state_dict(state.get("ema_anchor_steps"))
 
     # ALGO LOGIC
     def initial_noise(self, draw, generators):
@@ -287,8 +289,10 @@ class AWM(Method):
                     log_ratios.append((log_likelihood - old_i).detach().float())
                 grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, self.max_grad_norm))
                 per_step.append({**totals, **ratio_stats(torch.cat(log_ratios), self.clip_range)})
-        # s, the optimizer steps the schedule has asked for by the end of this update (difference 4)
-        decay = min(self.ema_anchor_rate * (ctx.iteration + 1) * len(grad_norms), self.ema_anchor_max)
+        # d = min(rate s, max), s the optimizer steps taken by the end of this update, skipped ones included
+        # (difference 4); written rate (s / n) n, which is rate (i + 1) n bit for bit where no n changed
+        s, n = self.steps.after(ctx.iteration, len(grad_norms)), len(grad_norms)
+        decay = min(self.ema_anchor_rate * (s / n) * n, self.ema_anchor_max)
         self.ema.blend(decay)  # theta_ema <- d theta_ema + (1 - d) theta
         stats = {**update_stats(per_step, grad_norms), "ema_decay": decay}
         if old is None:  # rho = 1 by construction at the one step: the loop's first-ratio check has nothing to check

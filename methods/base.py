@@ -40,7 +40,11 @@ N); `legacy` (the axes a configuration written before methods had files of their
 resume); `retired_flags` (its own flags that every run had before it owned them, with the value that left them
 off: a checkpoint of another method with another value is refused on resume); `unread` (the run's flags of
 `Method`'s fields it never reads, with why: given, they are refused; --sde-steps is refused under a method without
-that field).
+that field); `non_finite` (its own float flags that may be nan or inf, with why: every other float flag of its own
+must be finite, one rule for every method that lab/flags.py checks before `problem`, whose comparisons nan passes).
+
+A method whose KL term takes the base model at another guidance than the run's names it in
+`base_guidance(guidance)` (Flow-DPPO's --kl-guidance); the loop runs `UpdateContext.base_velocity_fn` at it.
 
 An update that scores SDE steps runs its loss through `step_backward`, the one loop that forwards a step's start
 latents in micro-batches, scores their members with the method's `step` and back-propagates; a method brings its
@@ -87,6 +91,7 @@ class UpdateContext:
     base_velocity_fn: the base model's velocity, for the KL term (None without one)
     ranks: None in one process, or the run's ranks: .world, .sum(n), .max(n), .gather(tensor)
     iteration: the iteration (0-based), for a method's schedules
+    base_guidance: the guidance base_velocity_fn runs at, the method's `base_guidance` (None: the run's --guidance)
     """
 
     velocity_fn: Callable
@@ -97,6 +102,7 @@ class UpdateContext:
     base_velocity_fn: Callable = None
     ranks: object = None
     iteration: int = 0
+    base_guidance: float = None
 
 
 class Costs:
@@ -150,6 +156,7 @@ class Method(Costs):
     per_step_advantages = True
     recipe, presets, per_steps, legacy, retired_flags = {}, {}, {}, {}, {}
     unread = {}  # {flag: why}: the fields above it never reads (a run that gives one is refused)
+    non_finite = {}  # {flag: why}: its own float flags that may be nan or inf (every other one must be finite)
 
     def problem(self, num_steps):
         return None
@@ -194,6 +201,10 @@ class Method(Costs):
         """x_T, one per prompt, shared by its G members: (B, ...). draw(generators) -> (n, ...), one each."""
         return draw(generators)
 
+    def base_guidance(self, guidance):
+        """The guidance the base model's velocity runs at in the KL term, given the run's --guidance: the run's."""
+        return guidance
+
     def check_loss(self, velocity_fn, rollout, sigmas):
         """The log-likelihood of the first prompt's members at its first trained step (`sde_check_loss`)."""
         if not rollout.sde_steps:
@@ -212,21 +223,28 @@ class SDEStep:
     sde_type: Literal[SDE_TYPES] = "flow"
     """The SDE step: flow (the method's Gaussian step) or cps (coefficients-preserving: the noise after a step
     stays the schedule's sigma', std sigma' sin(eta pi / 2), eta in (0, 1]; its log-prob -|x' - mean|^2 drops the
-    Gaussian's 1 / (2 std^2), so ratios change on another scale: --model flux sets the method's CPS clip range)."""
+    Gaussian's 1 / (2 std^2), and so does its KL to the base (sampler.cps_kl), so ratios change on another scale:
+    --model flux sets the method's CPS clip range)."""
 
     # no FLUX.1 run of G2RPO, DanceGRPO or MixGRPO with CPS is published: theirs is Flow-GRPO's CPS configs' clip
     # range and eta (`*_fast_nocfg`: 1e-5, 0.8; Flow-Factory's CPS recipes take 1e-4 at the same eta)
     per_sde_type = {"cps": {"flux": dict(clip_range=1e-5, eta=0.8)}}
 
-    def sde_type_problem(self, trained_steps, num_steps):
+    def sde_type_problem(self, trained_steps, num_steps, keep_out=None):
         """Why the step type cannot run these values, in one line, or None. trained_steps: every step the method may
-        train on a schedule of num_steps (the step into sigma 0 cannot be trained on the CPS step)."""
+        train on a schedule of num_steps (the step into sigma 0 cannot be trained on the CPS step); keep_out: the
+        flags that keep that step out of them, for the message (None: --sde-steps without it)."""
         if self.sde_type == "cps" and not 0 < self.eta <= 1:
             return (f"--eta {self.eta} with --sde-type cps: its noise std is sigma' sin(eta pi / 2), so eta lies in "
                     f"(0, 1] (Flow-GRPO-Fast 0.8)")
         if self.sde_type == "cps" and num_steps - 1 in trained_steps:
+            if num_steps < 2:
+                keep_out = "--num-steps 2 or more"
+            elif keep_out is None:
+                rest = [k for k in trained_steps if k != num_steps - 1] or [num_steps - 2]
+                keep_out = "--sde-steps " + " ".join(map(str, rest))
             return (f"--sde-type cps samples no noise on the last step (into sigma 0), so step {num_steps - 1} "
-                    f"cannot be trained; keep it out of the trained steps (--sde-steps, or a window's)")
+                    f"cannot be trained; keep it out of the trained steps: {keep_out}")
         return None
 
     def std_dev(self, sigmas, i):
@@ -244,7 +262,8 @@ class SDEStep:
         return gaussian_step(mean, std, noise, next_latents, self.sde_type)
 
     def kl(self, velocity, base_velocity, sigmas, i):
-        """The step's KL to the base model's, per sample (n,) (sampler.sde_kl, sampler.cps_kl)."""
+        """The step's KL to the base model's, per sample (n,): the flow step's Gaussian KL (sampler.sde_kl), or the
+        CPS step's mean |mu - mu_ref|^2, without the Gaussian's 1 / (2 std^2), as its log-prob (sampler.cps_kl)."""
         if self.sde_type == "cps":
             return cps_kl(velocity, base_velocity, sigmas, i, self.eta)
         return sde_kl(velocity, base_velocity, sigmas, i, self.std_dev(sigmas, i))
@@ -406,7 +425,8 @@ def sde_check_loss(velocity_fn, rollout, sigmas, step_fn):
 def check_sde_steps(sde_steps, num_steps):
     """Why a list of trained SDE steps (--sde-steps) cannot run on N steps, in one line, or None."""
     if not sde_steps:
-        return "--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps 0 1 2 3"
+        example = " ".join(map(str, range(max(1, min(4, num_steps - 1)))))  # (not the last: CPS cannot train it)
+        return f"--sde-steps is empty; give the steps to branch and train, e.g. --sde-steps {example}"
     if len(set(sde_steps)) != len(sde_steps):
         return f"--sde-steps {sde_steps} repeats a step; list each step once"
     bad = [k for k in sde_steps if not 0 <= k < num_steps]
@@ -552,6 +572,35 @@ def flow_matching_check_loss(velocity_fn, rollout, sigmas, k):
         v = velocity_fn(x, sigma, torch.zeros(1, dtype=torch.long, device=x0.device))
         return ((v.float() - (noise - x0)) ** 2).mean()
     return loss_fn
+
+
+class StepCount:
+    """s, the optimizer steps the updates of iterations 0 .. i - 1 ran (a step skipped for a non-finite gradient
+    counts too), for a schedule keyed on s (an old or EMA policy's decay). It is part of the
+    method's state, so that --inner-epochs (or --member-chunks) changed on --resume changes the steps from then on,
+    not the count of those before. An iteration it has not counted (a checkpoint written before the count was kept,
+    an iteration whose update did not run for non-finite rewards) counts at the steps of the next update, as the
+    count s = (i + 1) x steps that it replaces did for every iteration."""
+
+    def __init__(self):
+        self.steps, self.iteration = 0, 0  # s after the updates of iterations 0 .. iteration - 1
+
+    def after(self, iteration, steps):
+        """s at the end of iteration `iteration`'s update of `steps` optimizer steps."""
+        if iteration < self.iteration:  # an iteration before those counted (another run): counted afresh
+            self.steps, self.iteration = 0, 0
+        # s = s_counted + (iterations not counted) x steps + steps
+        self.steps += (iteration - self.iteration) * steps + steps
+        self.iteration = iteration + 1
+        return self.steps
+
+    def state_dict(self):
+        return {"steps": torch.tensor(self.steps), "iteration": torch.tensor(self.iteration)}
+
+    def load_state_dict(self, state):
+        """A state without the count (a checkpoint of before it) leaves it at none counted."""
+        if state:
+            self.steps, self.iteration = int(state["steps"]), int(state["iteration"])
 
 
 class FrozenCopy:

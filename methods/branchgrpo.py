@@ -41,7 +41,8 @@ in that script. Its README reports 13.68 NFE per leaf and 493 s an iteration, ag
 Differences from the authors' code:
   1. Each prompt's edges are shuffled on their own (its generator) and every optimizer step takes --edges-per-step
      edges of each prompt (theirs shuffles a GPU's 2 trees together, 12 edges a step: the flux preset's 6 a prompt).
-  2. Width pruning's mode 2 ranks the edges of each tree (theirs, those of a GPU's trees together).
+  2. Width pruning's mode 2 ranks the edges of each tree (theirs, those of a GPU's trees together), in their order:
+     depth first, so that tied advantages keep the edges theirs keeps.
   3. Each prompt's tree has its own x_T (theirs, `--init_same_noise`, shares one across a GPU's prompts).
   4. Pruning applies while iteration + 1 <= int(--pruning-until x --num-iterations), as theirs; its mixed ODE-SDE
      tree (`--mix_ode_sde_tree`) is not built here.
@@ -60,6 +61,7 @@ Shapes: B prompts, G leaves (the group), K trained steps, m_i edges at step i, (
 """
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +85,17 @@ PRESETS = {"flux": dict(num_steps=20, shift=3.0, group_size=16, resolution=720, 
 def edges_per_step(num_steps, split_points):
     """m_i, the edges at each step i: 2^(splits at steps <= i)."""
     return [2 ** sum(s <= i for s in split_points) for i in range(num_steps)]
+
+
+def tree_advice(group_size, num_steps):
+    """Flags of a tree that runs with --group-size G on N steps, for a message: log2(G) split points spread over
+    0..N-2 for a power of two G, else the largest power of two below G (at least 2) and its splits."""
+    if num_steps < 2:
+        return "--num-steps 2 or more (a split into sigma 0 would decode its two leaves alike)"
+    splits = min(max(1, int(math.log2(group_size))), num_steps - 1)  # log2 of the largest power of two <= G
+    points = " ".join(str(j * (num_steps - 1) // splits) for j in range(splits))  # distinct, each <= N - 2
+    sizes = "" if group_size == 2**splits else f" --group-size {2**splits}"
+    return f"--split-points {points}{sizes}"
 
 
 def to_leaves(values, leaves):
@@ -156,14 +169,16 @@ def kept_by_width(advantages, alive, mode, ratio):
     """Width pruning of the edges after the last split: advantages and alive (B, E, G) over those E steps, one edge a
     leaf a step, alive where depth pruning left the edge. Among the alive edges, mode 1 keeps the top
     max(1, int(ratio n)) of each leaf's chain of n by advantage, mode 2 the best int(k / 2) and the worst
-    k - int(k / 2) of the tree's n, k = max(2, int(ratio n)); ties go to the earlier step. Returns (B, E, G) bool."""
+    k - int(k / 2) of the tree's n, k = max(2, int(ratio n)). Both rank in the authors' order, depth first (their
+    `collect_all_transitions`): a leaf's chain, earliest step first, before the next leaf's; the sort is stable, so
+    of tied edges the best are the first in that order and the worst the last. Returns (B, E, G) bool."""
     B, E, G = advantages.shape
     keep = torch.zeros_like(alive)  # (B, E, G)
     for b in range(B):
-        if mode == 1:  # each group's edges, earliest step first: a leaf's chain
+        if mode == 1:  # each leaf's chain, earliest step first
             chains = [[(e, g) for e in range(E)] for g in range(G)]
-        else:  # the tree's
-            chains = [[(e, g) for e in range(E) for g in range(G)]]
+        else:  # the tree's, depth first: leaf 0's chain, then leaf 1's, ...
+            chains = [[(e, g) for g in range(G) for e in range(E)]]
         for group in chains:
             live = [(e, g) for e, g in group if alive[b, e, g]]
             ranked = sorted(live, key=lambda edge: -float(advantages[b, edge[0], edge[1]]))  # best first, stable
@@ -217,6 +232,9 @@ class BranchGRPO(Method, SDEStep):
     per_step_advantages = True  # each edge its own depth's advantage
     recipe, presets = RECIPE, PRESETS  # (the file's top)
 
+    def __post_init__(self):
+        self._forwarded = None  # (the rollout, weakly; the forwards its update ran), for `update_nfe`
+
     def std_dev(self, sigmas, i):
         """Its SDE step is DanceGRPO's: the flow step's mean and std at a constant std_dev = eta."""
         return self.eta
@@ -226,19 +244,26 @@ class BranchGRPO(Method, SDEStep):
         if len(set(splits)) != len(splits) or any(not 0 <= s < num_steps - 1 for s in splits):
             return (f"--split-points {splits}: give distinct steps in 0..{num_steps - 2} (a split into sigma 0 "
                     f"would decode its two leaves alike)")
+        if not splits:
+            return f"--split-points is empty: a tree needs a split; e.g. {tree_advice(self.group_size, num_steps)}"
         if self.group_size != 2 ** len(splits):
             return (f"--group-size {self.group_size}: a tree with {len(splits)} binary splits has "
-                    f"{2 ** len(splits)} leaves; set --group-size {2 ** len(splits)} or change --split-points")
+                    f"{2 ** len(splits)} leaves; set --group-size {2 ** len(splits)} or change --split-points (e.g. "
+                    f"{tree_advice(self.group_size, num_steps)})")
         if self.split_noise_scale <= 0 or self.edges_per_step < 1:
             return (f"--split-noise-scale {self.split_noise_scale} --edges-per-step {self.edges_per_step}: the "
                     f"scale must be > 0 and the edges >= 1 (BranchGRPO 4.0, 6)")
         if self.width_pruning not in (0, 1, 2) or not 0 < self.width_pruning_ratio <= 1:
             return (f"--width-pruning {self.width_pruning} --width-pruning-ratio {self.width_pruning_ratio}: mode "
                     f"0, 1 or 2, a ratio in (0, 1]")
-        depths_ok = all(1 <= d <= num_steps for d in self.depth_pruning)
-        if not depths_ok or self.depth_pruning_interval < 1 or not 0 <= self.pruning_until <= 1:
-            return (f"--depth-pruning {self.depth_pruning}: depths in 1..{num_steps}, an interval >= 1, "
-                    f"--pruning-until in [0, 1]")
+        if not all(1 <= d <= num_steps for d in self.depth_pruning):
+            return f"--depth-pruning {self.depth_pruning}: depths in 1..{num_steps} (the child of step i: i + 1)"
+        if self.depth_pruning_interval < 1:
+            return f"--depth-pruning-interval {self.depth_pruning_interval}: must be >= 1 (BranchGRPO 30)"
+        if self.depth_pruning_stop < 0:
+            return f"--depth-pruning-stop {self.depth_pruning_stop}: must be >= 0 (0: the last split point)"
+        if not 0 <= self.pruning_until <= 1:
+            return f"--pruning-until {self.pruning_until}: must be in [0, 1] (a share of --num-iterations)"
         return self.sde_type_problem(self.trained_steps(0), num_steps)
 
     # ALGO LOGIC (the SDE step is DanceGRPO's, or --sde-type cps)
@@ -306,10 +331,28 @@ class BranchGRPO(Method, SDEStep):
         edges = edges_per_step(self.num_steps, self.split_points)
         return self.inner_epochs * math.ceil(sum(edges[:num_trained_steps]) / self.edges_per_step)
 
+    def trained_edges(self, iteration, steps):
+        """The edges of a tree the update trains in iteration `iteration` over the trained `steps`, after pruning.
+        The count does not depend on the advantages (depth pruning follows the iteration, width pruning keeps a
+        share of each chain or of the tree by its size), so zero advantages give it."""
+        return int(self.edge_mask(iteration, torch.zeros(1, len(steps), self.group_size), steps)[0].sum())
+
     def update_nfe(self, rollout):
-        """One forward with gradients per trained edge (without pruning: pruning trains fewer)."""
-        edges = edges_per_step(self.num_steps, self.split_points)
-        return rollout.start_latents.shape[0] * sum(edges[i] for i in rollout.sde_steps) * self.inner_epochs
+        """One forward with gradients per trained edge and inner epoch: those the update forwarded when it ran on
+        this rollout; else (a rollout no update ran on: tools/bench.py's cost, an update skipped for non-finite
+        rewards) the count pruning implies, B x `trained_edges` x inner epochs, averaged over the run's
+        --num-iterations (depth pruning slides with the iteration, and pruning ends at --pruning-until)."""
+        if self._forwarded is not None and self._forwarded[0]() is rollout:
+            return self._forwarded[1]
+        counts, per_tree = {}, []  # counts: per (pruning on, pruned depths), all an iteration's count depends on
+        for it in range(self.num_iterations):
+            key = (self.pruning(it), frozenset(self.pruned_depths(it)))
+            if key not in counts:
+                counts[key] = self.trained_edges(it, rollout.sde_steps)
+            per_tree.append(counts[key])
+        if len(set(per_tree)) == 1:  # (a whole count where it is the same every iteration)
+            return rollout.start_latents.shape[0] * per_tree[0] * self.inner_epochs
+        return rollout.start_latents.shape[0] * sum(per_tree) / len(per_tree) * self.inner_epochs
 
     def for_planning(self):
         return dataclasses.replace(self, depth_pruning=[], width_pruning=0)
@@ -320,6 +363,9 @@ class BranchGRPO(Method, SDEStep):
         B = advantages.shape[0]
         mask = self.edge_mask(ctx.iteration, advantages, rollout.sde_steps)  # (B, K, G)
         per_tree = int(mask[0].sum())  # the same on every prompt, and so on every rank
+        # the forwards with gradients this update runs, for `update_nfe` on this rollout (held weakly: its latents
+        # are not kept past the iteration)
+        self._forwarded = (weakref.ref(rollout), B * per_tree * self.inner_epochs)
         if per_tree == 0:
             return {"optimizer_steps": 0, "skipped_steps": 0}
         # each prompt's edges, (per_tree, 2): (trained step, leaf), shuffled by its generator

@@ -38,8 +38,9 @@ Differences from the authors' code:
      for every method. Evaluation samples with the project's Euler ODE (theirs: 40 Euler steps, no CFG).
   2. The exact sigma goes to the transformer in the rollout too (theirs passes int(1000 s) there, the float in the
      update).
-  3. s counts the optimizer steps the schedule has asked for, (iteration + 1) x --member-chunks x --inner-epochs: a
-     step skipped for a non-finite gradient counts too, so no counter is state (theirs counts the steps taken).
+  3. s counts the optimizer steps the updates have asked for, a step skipped for a non-finite gradient too (theirs
+     counts the steps taken); the count is state (`StepCount`), so --inner-epochs or --member-chunks changed on
+     --resume changes only the steps from then on.
   4. The random draws (the sigma orders, the noise) come from this project's per-prompt generators, so a run is the
      same on any number of ranks; the images of a prompt train together, not in shuffled micro-batches.
   5. fp32 on CPU, bf16 autocast on GPU, no GradScaler (theirs: fp16 with a GradScaler).
@@ -67,9 +68,9 @@ from typing import Literal
 import torch
 
 from advantage import granular_advantages
-from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, check_timesteps, flow_matching_check_loss,
-                          forward_process, global_std_advantages, ode_rollout, optimizer_step, per_member_noise,
-                          training_timesteps)
+from methods.base import (SOLVERS, TIME_SAMPLINGS, FrozenCopy, Method, StepCount, check_timesteps,
+                          flow_matching_check_loss, forward_process, global_std_advantages, ode_rollout, optimizer_step,
+                          per_member_noise, training_timesteps)
 
 DECAYS = ("linear", "ocr")  # --nft-decay
 # -----------------------------------------------------------------------------------------------------------------
@@ -177,6 +178,8 @@ class DiffusionNFT(Method):
     def problem(self, num_steps):
         if not self.nft_beta > 0:
             return f"--nft-beta {self.nft_beta}: must be > 0 (the authors' 1.0)"
+        if self.time_micro_batch < 1:
+            return f"--time-micro-batch {self.time_micro_batch}: must be >= 1 (1: each image its own draw)"
         problem = check_timesteps(self.time_sampling, self.train_timesteps, self.time_fraction, num_steps)
         if problem:
             return problem
@@ -190,16 +193,18 @@ class DiffusionNFT(Method):
     # ---- the old policy, held as state ----
     def __post_init__(self):
         self.old = FrozenCopy([])  # no weights until `start` (the bench's and the plan's counts need none)
+        self.steps = StepCount()  # s, the optimizer steps so far, which the decay is keyed on
 
     def start(self, trained):
         self.old = FrozenCopy(trained)
 
     def state_dict(self):
-        return {"old_policy": self.old.copies}
+        return {"old_policy": self.old.copies, "old_policy_steps": self.steps.state_dict()}
 
     def load_state_dict(self, state):
         if "old_policy" in state:
             self.old.load(state["old_policy"])
+        self.steps.load_state_dict(state.get("old_policy_steps"))
 
     # ALGO LOGIC
     def initial_noise(self, draw, generators):
@@ -273,8 +278,8 @@ class DiffusionNFT(Method):
                     totals["positive_loss"] += float(l_pos.detach().sum()) / len(chunk)
                     totals["negative_loss"] += float(l_neg.detach().sum()) / len(chunk)
                 grad_norms.append(optimizer_step(ctx.params, ctx.optimizer, self.max_grad_norm))
-        # s, the optimizer steps the schedule has asked for by the end of this update (difference 3)
-        decay = old_decay(self.nft_decay, (ctx.iteration + 1) * len(grad_norms), self.nft_decay_rate,
+        # s, the optimizer steps taken by the end of this update, skipped ones included (difference 3)
+        decay = old_decay(self.nft_decay, self.steps.after(ctx.iteration, len(grad_norms)), self.nft_decay_rate,
                           self.nft_decay_max)
         self.old.blend(decay)  # theta_old <- d theta_old + (1 - d) theta
         taken = [g for g in grad_norms if math.isfinite(g)]

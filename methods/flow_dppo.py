@@ -27,7 +27,8 @@ the step's Gaussian of either type) and its SD3.5-M recipe (`examples/dppo/lora/
     squared mean gap that Flow-Factory calls its x-based KL);
   - G 16, 64 prompts an epoch, 2 optimizer steps an epoch, one inner epoch, advantages over the global std,
     clipped to 5;
-  - LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, gradient norm 1, 512^2, no CFG; EMA 0.9 every 4 epochs.
+  - LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, gradient norm 1, 512^2, no CFG but in the KL term's reference
+    forward (kl_guidance_scale 4.5); EMA 0.9 every 4 epochs.
 No FLUX.1 recipe of Flow-DPPO is published: --model flux takes these values on FLUX.1's own guidance.
 
 Differences from Flow-Factory's code:
@@ -37,6 +38,10 @@ Differences from Flow-Factory's code:
   4. The random draws come from this project's per-prompt generators; the exact sigma goes to the transformer.
   5. --clip-range is not read (no ratio is clipped); losses/clipfrac still counts |r - 1| > --clip-range.
   6. On presets other than flux and sd3, the preset's sizes stand and only the algorithm changes.
+  7. The base model of the KL term runs at the run's --guidance. Flow-Factory's SD3.5-M recipe runs it at
+     kl_guidance_scale 4.5 (CFG on the frozen reference while the policy samples without); --kl-guidance names that
+     value, but a value other than the run's guidance is refused until the harness runs the base forward at it (it
+     needs the negative prompt's embeddings, which a rollout without CFG does not encode).
 
 Run it:
     python train.py --model tiny --method flow-dppo
@@ -45,7 +50,7 @@ Run it:
 Shapes: B prompts, G group size, K trained steps, (...) a latent.
 """
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -63,6 +68,7 @@ SD35 = dict(group_size=16, num_steps=10, shift=3.0, sigma_grid="sd3", resolution
             lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, kl_beta=1e-3, lora_rank=32, lora_alpha=64.0,
             ema_decay=0.9, ema_every=4)
 RECIPE = dict(eta=0.7)
+# its SD3.5-M recipe samples without CFG (guidance 1); its KL term's base model at CFG 4.5 is difference 7
 PRESETS = {"sd3": dict(SD35, guidance=1.0), "flux": SD35}
 PER_SDE_TYPE = {}  # its defaults are its authors' CPS values already
 
@@ -91,13 +97,14 @@ def masked_loss(log_probs, old_log_probs, advantages, kl, threshold, weights):
 
 @dataclass
 class FlowDPPO(Method, SDEStep):
-    """Flow-DPPO: the run's flags it reads (methods/base.py's, --num-steps and --seed), then its own (train.py's
-    under --method flow-dppo)."""
+    """Flow-DPPO: the run's flags it reads (methods/base.py's, --num-steps, --seed and --guidance), then its own
+    (train.py's under --method flow-dppo)."""
 
     label = "Flow-DPPO"
 
     num_steps: int
     seed: int
+    guidance: float
     # --- its own flags ---
     kl_mask_threshold: float = 1e-6
     """delta: a member whose step's KL(new || old) reaches this, and whose ratio moves the way its advantage pushes,
@@ -109,6 +116,9 @@ class FlowDPPO(Method, SDEStep):
     member_chunks: int = 2
     """The members of each group split into this many chunks, one optimizer step each (Flow-Factory's 2 gradient
     steps an epoch)."""
+    kl_guidance: Optional[float] = None
+    """The guidance of the base model's velocity in the KL term (Flow-Factory's kl_guidance_scale, 4.5 in its SD3.5-M
+    recipe); None: the run's --guidance, the only value that runs here yet (difference 7)."""
     sde_type: Literal[SDE_TYPES] = field(default="cps", kw_only=True)
     """The SDE step: cps (coefficients-preserving, Flow-Factory's for Flow-DPPO, eta in (0, 1]) or flow (G2RPO's
     Gaussian step). The mask's KL is exact on either, so --kl-mask-threshold keeps its meaning."""
@@ -120,11 +130,18 @@ class FlowDPPO(Method, SDEStep):
         if not 1 <= self.sde_draws <= self.sde_window <= num_steps:
             return (f"--sde-draws {self.sde_draws} of --sde-window {self.sde_window}: needs 1 <= draws <= window <= "
                     f"--num-steps {num_steps}")
-        problem = self.sde_type_problem(range(self.sde_window), num_steps)  # (the steps a draw may take)
+        keep_out = f"--sde-window {num_steps - 1}" + (f" --sde-draws {num_steps - 1}"
+                                                      if self.sde_draws > num_steps - 1 else "")
+        problem = self.sde_type_problem(range(self.sde_window), num_steps, keep_out)  # (the steps a draw may take)
         if problem:
             return problem
         if self.kl_mask_threshold < 0:
             return f"--kl-mask-threshold {self.kl_mask_threshold}: must be >= 0 (Flow-Factory 1e-6)"
+        if self.kl_guidance is not None and self.kl_guidance < 0:
+            return f"--kl-guidance {self.kl_guidance}: must be >= 0, or None for the run's --guidance"
+        if self.kl_guidance is not None and self.kl_guidance != self.guidance and self.kl_beta > 0:
+            return (f"--kl-guidance {self.kl_guidance}: the KL term's base model runs at the run's --guidance "
+                    f"{self.guidance} here (its forward at another guidance is not built yet); drop --kl-guidance")
         if not 1 <= self.member_chunks <= self.group_size:
             return f"--member-chunks {self.member_chunks}: must be in 1..--group-size {self.group_size}"
         return None
@@ -158,12 +175,20 @@ class FlowDPPO(Method, SDEStep):
         mean_gap = self.mean_std(torch.zeros_like(gap), gap, sigmas, i)[0]
         return (mean_gap**2).mean(dim=tuple(range(1, gap.ndim)))
 
+    def base_guidance(self, guidance):
+        """The base model's guidance in the KL term: --kl-guidance, or the run's --guidance."""
+        return guidance if self.kl_guidance is None else self.kl_guidance
+
     def optimizer_steps(self, num_trained_steps):
         return self.inner_epochs * self.member_chunks
 
     def update(self, rollout, advantages, ctx):
         """Flow-GRPO's accumulated update with the mask's loss; losses/masked_fraction: the share of trained members
         the mask dropped, over every rank."""
+        if self.kl_beta > 0 and self.kl_guidance is not None and ctx.base_guidance != self.kl_guidance:
+            raise RuntimeError(f"--kl-guidance {self.kl_guidance}: the base model's velocity came at guidance "
+                               f"{ctx.base_guidance} (None: the run's), not at the method's `base_guidance`; the loop "
+                               f"must run ctx.base_velocity_fn at it (or pass --kl-guidance None)")
         counts = [0, 0]  # members dropped, members trained
 
         def loss(ki, rows, velocity, log_probs, old_log_probs, step_advantages, weights):

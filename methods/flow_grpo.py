@@ -109,7 +109,8 @@ class FlowGRPO(Method, SDEStep):
         return per_member_noise(draw, generators, self.group_size)
 
     def kl(self, velocity, base_velocity, sigmas, i):
-        """Its kl_loss on the flow step (`flow_grpo_kl`); the exact KL on the CPS step (sampler.cps_kl)."""
+        """Its kl_loss on the flow step (`flow_grpo_kl`); on the CPS step the CPS authors' mean |mu - mu_ref|^2
+        (sampler.cps_kl)."""
         if self.sde_type == "cps":
             return SDEStep.kl(self, velocity, base_velocity, sigmas, i)
         return flow_grpo_kl(velocity, base_velocity, sigmas, i, self.eta)
@@ -161,7 +162,10 @@ class FlowGRPOFast(Method, SDEStep):
                   kl_form="flow-grpo", reward_fusion="score", member_chunks=None, step_per_sde_step=False)
 
     def problem(self, num_steps):
-        problem = self.sde_type_problem(range(self.window_end or num_steps), num_steps)  # (steps the window may take)
+        keep_out = f"--window-end {num_steps - 1}" + (f" --window-size {num_steps - 1}"
+                                                      if self.window_size > num_steps - 1 else "")
+        # (the steps the window may take)
+        problem = self.sde_type_problem(range(self.window_end or num_steps), num_steps, keep_out)
         if problem:
             return problem
         if self.window_size < 1 or not self.window_size <= (self.window_end or num_steps) <= num_steps:

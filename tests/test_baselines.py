@@ -31,7 +31,7 @@ COMMON = dict(group_size=4, eta=0.7, clip_range=1e-4, adv_clip_max=5.0, max_grad
 
 def make(cls, **values):
     """A method of class `cls` with the common test values, the fields it has, and `values`."""
-    fields = {**COMMON, "sde_steps": [0], "num_steps": 8, "seed": 0, **values}
+    fields = {**COMMON, "sde_steps": [0], "num_steps": 8, "seed": 0, "guidance": 3.5, **values}
     return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
 

@@ -145,6 +145,87 @@ def test_depth_and_width_pruning():
     assert int(widths.edge_mask(0, torch.randn(1, 20, 16), list(range(20)))[0].sum()) == 218 - 80
 
 
+def authors_transitions(num_steps, split_points, leaves):
+    """The transitions of one tree in the authors' order (`collect_all_transitions`: each node's edges to its
+    children, each followed at once by the child's subtree), as (step, first leaf of the child's block)."""
+    out = []
+
+    def visit(step, first, width):  # the node at `step` whose leaves are first .. first + width - 1
+        if step == num_steps:
+            return
+        children = 2 if step in split_points else 1
+        for c in range(children):
+            out.append((step, first + c * width // children))
+            visit(step + 1, first + c * width // children, width // children)
+    visit(0, 0, leaves)
+    return out
+
+
+def authors_mode_2(advantages, num_steps, split_points, ratio):
+    """Their width pruning, mode 2, restated: the transitions after the last split in their order, sorted by advantage
+    (Python's stable sort, reverse=True), the first k // 2 and the last k - k // 2 kept, k = max(2, int(ratio n)).
+    advantages (E, G) over the E steps after the last split. Returns the kept {(e, leaf)}."""
+    last = max(split_points)
+    after = [(step - last - 1, leaf) for step, leaf in authors_transitions(num_steps, split_points, advantages.shape[1])
+             if step > last]
+    ranked = sorted(after, key=lambda edge: float(advantages[edge]), reverse=True)
+    k = max(2, int(len(ranked) * ratio))
+    return set(ranked[: k // 2]) | set(ranked[len(ranked) - (k - k // 2):])
+
+
+def test_width_pruning_mode_2_keeps_the_authors_edges_on_tied_advantages():
+    """After the last split a node's advantage is its leaf's at every depth, so a chain's edges tie, and tied leaves
+    tie with each other: mode 2 then keeps the edges the authors' depth-first order keeps (ranked step by step it
+    kept others). On the authors' FLUX tree with 2 leaves sharing each advantage, and on random ties."""
+    for num_steps, splits, leaves, ratio in ((20, [0, 3, 6, 9], 16, 0.05), (8, [0, 2, 4], 8, 0.25)):
+        E = num_steps - 1 - max(splits)
+        per_leaf = torch.arange(leaves // 2).repeat_interleave(2).float()  # leaves 0, 1 tie, 2, 3 tie, ...
+        for leaf_values in (per_leaf, torch.zeros(leaves), torch.randint(0, 3, (leaves,)).float()):
+            advantages = leaf_values.expand(E, leaves)  # (E, G): equal along each chain
+            keep = kept_by_width(advantages[None], torch.ones(1, E, leaves, dtype=torch.bool), 2, ratio)[0]
+            ours = {(e, g) for e, g in keep.nonzero().tolist()}
+            assert ours == authors_mode_2(advantages, num_steps, splits, ratio), (num_steps, leaf_values)
+        # step by step (the earlier ranking) the tied leaves' edges interleave, and another set is kept
+        step_major = sorted([(e, g) for e in range(E) for g in range(leaves)],
+                            key=lambda edge: -float(per_leaf[edge[1]]))
+        k = max(2, int(E * leaves * ratio))
+        earlier = set(step_major[: k // 2]) | set(step_major[len(step_major) - (k - k // 2):])
+        assert earlier != authors_mode_2(per_leaf.expand(E, leaves), num_steps, splits, ratio)
+
+
+def test_update_nfe_counts_the_forwards_pruning_leaves():
+    """perf/update_nfe is the forwards with gradients the update ran (counted at the velocity), pruned edges left
+    out; on a rollout no update ran on (tools/bench.py's cost) the count the pruning rule implies, averaged over the
+    run's iterations where depth pruning slides."""
+    torch.manual_seed(0)
+    B, sigmas = 2, sigma_schedule(8, 3.0)
+    weight = torch.nn.Parameter(torch.tensor(0.3))
+    net = lambda x, s, i: weight * x + 0.1 * i[:, None]  # noqa: E731
+    forwarded = []
+    counted = lambda x, s, i: forwarded.append(len(x)) or net(x, s, i)  # noqa: E731
+    method = branch(num_steps=8, split_points=[0, 2, 4], group_size=8, width_pruning=2, num_iterations=4,
+                    inner_epochs=2)
+
+    def rollout():
+        with torch.no_grad():
+            return method.rollout(net, torch.randn(B, 3), sigmas, [torch.Generator().manual_seed(b) for b in range(B)],
+                                  method.trained_steps(0))
+    first, second = rollout(), rollout()
+    # 44 edges a tree; mode 2 keeps 12 of the 24 after the last split (steps 5, 6, 7): 32 a tree, 2 epochs
+    assert method.update_nfe(first) == B * 32 * 2  # before the update: the rule's count
+    method.update(first, torch.randn(B, 8, 8), UpdateContext(counted, [weight], torch.optim.SGD([weight], lr=0.1),
+                                                            sigmas, generators=[torch.Generator()] * B))
+    assert sum(forwarded) == B * 32 * 2 and method.update_nfe(first) == sum(forwarded)
+    assert method.update_nfe(second) == B * 32 * 2  # another rollout: the rule's count
+    unpruned = branch(num_steps=8, split_points=[0, 2, 4], group_size=8, num_iterations=4)
+    assert unpruned.update_nfe(first) == B * 44  # (the count before: 352 on the tiny preset's 8 prompts)
+    # depth pruning that slides: depth 4 (step 3's 4 edges) moves to 3 after iteration 2, to 2 (step 1's 2) after 4
+    sliding = branch(num_steps=8, split_points=[0, 2, 4], group_size=8, num_iterations=4, depth_pruning=[4],
+                     depth_pruning_interval=2, depth_pruning_stop=1)
+    assert [sliding.trained_edges(it, list(range(8))) for it in range(4)] == [40, 40, 40, 42]
+    assert sliding.update_nfe(first) == B * (40 * 3 + 42) / 4
+
+
 def test_one_update_against_the_restatement():
     # two prompts: every edge once, in its prompt's random order, each optimizer step on the next `edges_per_step`
     # edges of each prompt, each edge's clipped loss times 1 / (B x edges_per_step x the tree's edges), restated with

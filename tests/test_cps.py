@@ -1,7 +1,7 @@
 """The coefficients-preserving SDE step (--sde-type cps, sampler.py) for every method that samples SDE steps: the step,
-its log-prob and its KL against the CPS paper's equations restated in float64, a closed form on a straight flow,
-G2RPO's fast rollout against the paper's loop with the CPS step, the flags (the CPS clip range and eta unless given,
-the refusals), and a 2-iteration tiny run with an exact resume.
+its log-prob and its KL (both of its authors' forms) against the CPS paper's equations restated in float64, a closed
+form on a straight flow, G2RPO's fast rollout against the paper's loop with the CPS step, the flags (the CPS clip
+range and eta unless given, the refusals), and a 2-iteration tiny run with an exact resume.
 
 Run: python -m pytest -q tests/test_cps.py
 """
@@ -85,21 +85,28 @@ def test_every_sde_method_takes_the_cps_step_on_a_straight_flow(name):
         torch.testing.assert_close(method.kl(v, v_ref, sigmas, 2), cps_kl(v, v_ref, sigmas, 2, 0.8))
 
 
-def test_cps_kl_is_the_gaussians():
+def test_cps_kl_is_the_authors_mean_gap_or_the_gaussians():
+    """The CPS authors' kl_loss (IamCreateAI/FlowCPS): train_sd3.py and train_flux.py since commit 814c359 take
+    mean (mu - mu_ref)^2, the default; train_sd3_fast.py keeps / (2 std^2), the Gaussian KL (gaussian=True), which
+    torch.distributions gives. Both from the step's means restated in float64."""
     torch.manual_seed(0)
     sigmas, eta = sigma_schedule(8, 3.0), 0.7
     x, v, v_ref = torch.randn(3, 20), torch.randn(3, 20), torch.randn(3, 20)
     for i in range(8):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
-        kl = cps_kl(v, v_ref, sigmas, i, eta)
+        kl, gaussian = cps_kl(v, v_ref, sigmas, i, eta), cps_kl(v, v_ref, sigmas, i, eta, gaussian=True)
         if s_next == 0:  # no noise into sigma 0: no KL is taken there
-            assert torch.equal(kl, torch.zeros(3))
+            assert torch.equal(kl, torch.zeros(3)) and torch.equal(gaussian, torch.zeros(3))
             continue
         mean, std = cps_mean_std_64(x, v, s, s_next, eta)
         mean_ref, _ = cps_mean_std_64(x, v_ref, s, s_next, eta)
+        # ((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=...), their train_sd3.py:900, train_flux.py:857
+        torch.testing.assert_close(kl.double(), ((mean - mean_ref) ** 2).mean(1), atol=1e-7, rtol=1e-5)
+        # ... / (2 * std_dev_t ** 2), their train_sd3_fast.py, std_dev_t = sigma' sin(eta pi / 2)
         exact = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
                                                   torch.distributions.Normal(mean_ref, std)).mean(1)
-        torch.testing.assert_close(kl.double(), exact, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(gaussian.double(), exact, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(gaussian, kl / (2 * std**2), atol=1e-6, rtol=1e-5)
 
 
 def test_g2rpo_fast_rollout_equals_the_papers_loop_with_cps():

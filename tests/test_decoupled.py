@@ -135,6 +135,41 @@ def test_the_decay_schedules_over_1000_steps():
         assert method.update(rollout, torch.randn(1, 1, 3), ctx)["ema_decay"] == min(0.001 * (it + 1), 0.3)
 
 
+def test_the_decays_count_the_steps_taken_when_inner_epochs_change_on_resume(tmp_path):
+    """Four 1-step updates, then a resume at --inner-epochs 2: s = 4 + 2 = 6 steps, d = 0.006 for DiffusionNFT's old
+    policy and AWM's anchor (the count s = (i + 1) x this update's steps gave 10, 0.01, changing the past). The count
+    is the state's, as a checkpoint writes it (safetensors); a state of before the count (none there) reckons
+    s = (i + 1) x steps, as then."""
+    from safetensors.torch import load_file, save_file
+
+    for cls, make_one, part, stat in ((DiffusionNFT, make, "old_policy", "old_decay"),
+                                      (AWM, make_awm, "ema_anchor", "ema_decay")):
+        w = torch.nn.Parameter(torch.tensor(0.0))
+        net = lambda x, s, i: w * x  # noqa: E731
+        rollout = ode_rollout(net, torch.randn(1, 3, 4), sigma_schedule(4, 3.0), max_batch=64, trained=range(4))
+
+        def update(method, it):
+            ctx = UpdateContext(net, [w], torch.optim.SGD([w], lr=0.0), sigma_schedule(4, 3.0),
+                                [torch.Generator().manual_seed(0)], iteration=it)
+            return method.update(rollout, torch.randn(1, 1, 3), ctx)[stat]
+
+        first = make_one(inner_epochs=1)
+        first.start([("w", w)])
+        assert [update(first, it) for it in range(4)] == [0.001 * s for s in (1, 2, 3, 4)]
+        saved = {}
+        for name, tensors in first.state_dict().items():  # as lab/checkpoint.py writes and reads them back
+            save_file(tensors, str(tmp_path / f"{cls.__name__}_{name}.safetensors"))
+            saved[name] = load_file(str(tmp_path / f"{cls.__name__}_{name}.safetensors"))
+        resumed = make_one(inner_epochs=2)
+        resumed.start([("w", w)])
+        resumed.load_state_dict(saved)
+        assert update(resumed, 4) == 0.001 * 6, cls  # 4 steps before, 2 now
+        older = make_one(inner_epochs=2)  # a checkpoint without the count
+        older.start([("w", w)])
+        older.load_state_dict({part: saved[part]})
+        assert update(older, 4) == 0.001 * 5 * 2, cls  # (i + 1) x steps, as before the count was kept
+
+
 # ---- DiffusionNFT ----
 def restated_nft(v, v_old, x, s, x0, r, beta):
     """The authors' loss, written out: v+ = v_old + b (v - v_old), v- = v_old - b (v - v_old), regressed in x0 space

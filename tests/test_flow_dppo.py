@@ -138,3 +138,41 @@ def test_its_sde_steps_and_its_refusals(capsys):
             flags.check_flags(flags.parse_args(["--model", "tiny", "--method", "flow-dppo", *argv]), world=1)
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_its_kl_reference_runs_at_the_kl_guidance():
+    """--kl-guidance (Flow-Factory's kl_guidance_scale, 4.5 on --model sd3): the method asks the loop for the base
+    model at it (`base_guidance`) and its KL term takes the base velocity the loop gives, restated here as the
+    authors' classifier-free guidance v_ref = v_u + w (v_c - v_u) at w = 4.5; an update whose base velocity came at
+    another guidance (a loop that does not honour `base_guidance`: ctx.base_guidance None) stops in one line, rather
+    than train against the wrong reference."""
+    torch.manual_seed(0)
+    B, G, N = 1, 4, 6
+    sigmas = sigma_schedule(N, 3.0)
+    weight = torch.nn.Parameter(torch.tensor(0.3))
+    net = lambda x, s, i: weight * x + 0.2  # noqa: E731
+    conditional, unconditional = (lambda x, s, i: 0.25 * x + 0.2), (lambda x, s, i: 0.1 * x)
+    guided = lambda x, s, i: unconditional(x, s, i) + 4.5 * (conditional(x, s, i) - unconditional(x, s, i))  # noqa
+    method = make(FlowDPPO, eta=0.7, group_size=G, max_grad_norm=100.0, member_chunks=1, num_steps=N, kl_beta=0.1,
+                  kl_guidance=4.5, kl_mask_threshold=1e9)
+    assert method.base_guidance(1.0) == 4.5
+    with torch.no_grad():
+        rollout = method.rollout(net, torch.randn(B, G, 8), sigmas, [torch.Generator().manual_seed(0)], [1])
+    advantages = torch.zeros(B, 1, G)  # the KL term alone moves the weight
+
+    def update(**ctx):
+        weight.data.fill_(0.3)
+        method.update(rollout, advantages, UpdateContext(net, [weight], torch.optim.SGD([weight], lr=1.0), sigmas,
+                                                         base_velocity_fn=guided, **ctx))
+        return float(weight.detach())
+
+    with pytest.raises(RuntimeError, match="--kl-guidance 4.5"):
+        update()
+    ours = update(base_guidance=4.5)
+    # the restatement: beta mean over members of mean |mu_theta - mu_ref|^2 (the CPS step's means, x-based)
+    weight.data.fill_(0.3)
+    x = rollout.start_latents[0, 0]  # (G, 8)
+    mean = lambda v: method.mean_std(x, v, sigmas, 1)[0]  # noqa: E731
+    (0.1 * ((mean(net(x, None, None)) - mean(guided(x, None, None))) ** 2).mean(1).mean()).backward()
+    expected = 0.3 - float(weight.grad)
+    assert abs(ours - expected) < 1e-6 and abs(ours - 0.3) > 1e-6
