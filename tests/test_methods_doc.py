@@ -92,3 +92,18 @@ def test_no_code_outside_methods_names_a_method():
             if isinstance(node, ast.Attribute) and node.attr in own:
                 found.append(f"{path}:{node.lineno} reads .{node.attr}")
     assert not found, found
+
+
+def test_the_reading_list_fits_in_700_lines_of_files_that_hold_them():
+    """docs/reading.md: every range lies inside its file, the first line of each named function or section among
+    its lines, and the whole list is at most 700 lines."""
+    with open(os.path.join(ROOT, "docs", "reading.md"), encoding="utf-8") as f:
+        rows = re.findall(r"\[`([^`]+)` (\d+)-(\d+)\]\([^)]*\): ([^|]+)\| (\d+) \|", f.read())
+    assert rows
+    for path, first, last, what, count in rows:
+        lines = open(os.path.join(ROOT, path), encoding="utf-8").read().split("\n")
+        first, last = int(first), int(last)
+        assert 1 <= first <= last <= len(lines) and last - first + 1 == int(count), (path, first, last)
+        for name in re.findall(r"`(\w+)`", what):
+            assert any(name in line for line in lines[first - 1 : last]), (path, name, first, last)
+    assert sum(int(row[4]) for row in rows) <= 700
