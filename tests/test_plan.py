@@ -19,8 +19,10 @@ TOLERANCE = 0.02
 
 
 def small_args(*extra, sde_steps=("0", "1")):
-    """The tiny preset, shortened: a small configuration whose every phase runs for real in seconds."""
-    return flags.parse_args(["--model", "tiny", "--num-steps", "4", "--sde-steps", *sde_steps, "--group-size", "4",
+    """The tiny preset, shortened: a small configuration whose every phase runs for real in seconds (no --sde-steps
+    for a method that chooses its own steps: sde_steps ())."""
+    steps = ["--sde-steps", *sde_steps] if sde_steps else []
+    return flags.parse_args(["--model", "tiny", "--num-steps", "4", *steps, "--group-size", "4",
                              "--prompts-per-iteration", "2", *extra], plan.PlanArgs)
 
 
@@ -330,7 +332,7 @@ def test_diffusionnfts_old_policy_is_resident_and_its_update_counts_both_forward
     train.py does, so the copy is resident in every phase (here a full fine-tune: a second transformer's weights,
     and a third, the frozen base that the authors' 1e-4 KL reads), and its update runs the method's own forwards an
     image and step, which the real CPU run agrees with."""
-    args = small_args("--method", "diffusionnft", *SERIES)
+    args = small_args("--method", "diffusionnft", *SERIES, sde_steps=())
     simulated = plan.plan(args, log=lambda m: None)[0]
     assert_agree(simulated, plan.plan(args, fake=False, log=lambda m: None)[0])
     from lab import tiny
@@ -340,7 +342,7 @@ def test_diffusionnfts_old_policy_is_resident_and_its_update_counts_both_forward
     assert resident["total"] - g2rpo["total"] == pytest.approx(2 * trained, rel=0.05)  # old policy and base, bytes
     assert "2 forwards each" in update_row(simulated).phase
     # its rollout swaps the copy in and out in place: it holds what AWM's rollout (the same ODE, no copy) holds
-    awm = plan.plan(small_args("--method", "awm", *SERIES), log=lambda m: None)[0]
+    awm = plan.plan(small_args("--method", "awm", *SERIES, sde_steps=()), log=lambda m: None)[0]
     held = [next(r for r in rows if r.phase.startswith("rollout")).cost.peak["total"] - rows[0].cost.peak["total"]
             for rows in (simulated, awm)]
     assert held[0] == pytest.approx(held[1], rel=0.01)
