@@ -1,19 +1,17 @@
 """G2RPO: the method as train.py runs it (rollout -> advantages -> update), and its clipped policy update.
 
 For every trained SDE step k in M, the policy's velocity at the step's start latent gives each member's
-log-probability of its stored SDE sample x_{k+1}^i (the same `sampler.sde_step` formula the rollout used), and
-(paper Eq. 8-9)
-    r_i,k  = exp(log pi_theta(x_{k+1}^i | x_k) - log pi_old(x_{k+1}^i | x_k))
-    L_k    = mean_i max(-A_i,k * r_i,k,  -A_i,k * clip(r_i,k, 1 - eps_clip, 1 + eps_clip))
+log-probability of its stored SDE sample x_{k+1}^i (through `step`, the same step the rollout sampled with), its
+ratio r_i,k to the rollout's, and PPO's clipped loss L_k of that step (paper Eq. 8-9, `clipped_loss`).
 The paper writes one objective, L = mean_k L_k (+ beta * mean_k KL_k, off in the reference code); the reference
 scripts, and this default, take one optimizer step on each L_k in turn (--no-step-per-sde-step: one on L). Every
 member of a prompt starts step k from the same anchor latent, so one forward per prompt (batch B, not B*G) scores
 all G members.
 
 When the ratio leaves 1: the first L_k of an iteration is scored under the rollout's own policy, so its ratios are
-1 up to the rounding of the forward (exactly 1 on the CPU; the first update's self-check tests it). Each optimizer step then moves the policy, so the next
-steps' ratios (step k + 1, or the next inner epoch) are taken against the rollout's log-probabilities under a
-policy that has moved, and the clip bounds how far each step moves it.
+1 up to the rounding of the forward (exactly 1 on the CPU; the first update's self-check tests it). Each optimizer
+step then moves the policy, so the next steps' ratios (step k + 1, or the next inner epoch) are taken against the
+rollout's log-probabilities under a policy that has moved, and the clip bounds how far each step moves it.
 
 `G2RPO` is the method: its hyperparameters (its own flags, and the run's flags it reads) and its three steps, on
 the interface of methods/base.py, which every other method (methods/) implements too.
@@ -67,9 +65,11 @@ VALUES = {
 
 
 def clipped_loss(log_probs, old_log_probs, advantages, clip_range, weights=None):
-    """PPO's clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), mean over members, or with `weights` (one
-    per member) their weighted sum."""
+    """PPO's clipped surrogate of each member, its mean over the members, or with `weights` (one per member) their
+    weighted sum."""
+    # r_i,k = exp(log pi_theta(x_{k+1}^i | x_k) - log pi_old(x_{k+1}^i | x_k))
     ratio = torch.exp(log_probs - old_log_probs)
+    # L_k = mean_i max(-A_i,k r_i,k, -A_i,k clip(r_i,k, 1 - eps, 1 + eps))
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)

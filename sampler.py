@@ -4,13 +4,11 @@ Time convention (used everywhere in this project): sigma runs from 1 (pure noise
     x_sigma = (1 - sigma) * x0 + sigma * eps,     the model predicts the velocity v ~ eps - x0,
 so an Euler (ODE) step from sigma to sigma_next is x + (sigma_next - sigma) * v, and x0_hat = x - sigma * v.
 
-The SDE step (paper Eq. 4-5), from sigma to sigma_next = sigma + dt (dt < 0), with noise scale std_dev:
-    mean = x * (1 + std_dev^2 / (2 sigma) * dt) + v * (1 + std_dev^2 (1 - sigma) / (2 sigma)) * dt
-    std  = std_dev * sqrt(-dt),      std_dev = eta * sqrt(sigma / (1 - sigma)),      x_next ~ N(mean, std^2)
-Every SDE method may take instead the coefficients-preserving step (CPS; Wang & Yu 2025, arXiv 2509.05952), which
-keeps the noise of x_next at exactly sigma_next: from x0_hat = x - sigma v and eps_hat = x + (1 - sigma) v,
-    mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat,      std = sigma_next sin(eta pi / 2)
-and, as its authors score it, log p = -|x_next - mean|^2 (averaged): the Gaussian's without its constant and its
+The SDE step (paper Eq. 4-5), from sigma to sigma_next = sigma + dt (dt < 0), is a Gaussian whose mean follows the
+velocity with a correction that the noise scale std_dev = eta sqrt(sigma / (1 - sigma)) sets, and whose std is
+std_dev sqrt(-dt) (`sde_std_dev`, `sde_mean_std`). Every SDE method may take instead the coefficients-preserving step
+(CPS; Wang & Yu 2025, arXiv 2509.05952), which keeps the noise of x_next at exactly sigma_next (`cps_mean_std`), and,
+as its authors score it, log p = -|x_next - mean|^2 (averaged): the Gaussian's without its constant and its
 1 / (2 std^2), so a ratio of two CPS log-probs is on another scale than the flow step's (hence its own clip range).
 Its KL term to the base model drops the 1 / (2 std^2) too, mean |mean - mean_ref|^2, as the CPS authors' main
 scripts do since their commit 814c359 (`cps_kl`; their train_sd3_fast.py keeps the Gaussian KL, `gaussian=True`).

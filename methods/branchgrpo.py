@@ -385,7 +385,8 @@ class BranchGRPO(Method, SDEStep):
     def edges_loss_backward(self, ctx, rollout, advantages, edges, weight):
         """The clipped loss of `edges` ((n, 3): prompt, trained step, leaf), each times `weight`, back-propagated in
         micro-batches of at most --max-batch edges, each one transformer call whatever its edges' steps (the sigma
-        goes per row). Returns its statistics."""
+        goes per row): not `methods.base.step_backward`, whose micro-batches hold one step's start latents. Returns its
+        statistics."""
         loss, kl, log_ratios = 0.0, 0.0, []
         for rows in edges.split(self.max_batch):
             b, ki, leaf = rows.T  # (m,) each
